@@ -1,0 +1,133 @@
+"""The host's own calls to a guest's envd: readiness, /init, and commands run as root.
+
+These go through a socket created in the sandbox's namespace with the stdlib HTTP client;
+they are few and small, and this keeps the launcher free of any HTTP client dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import json
+import struct
+import time
+from typing import Any
+
+from ..network.netns import GUEST_ADDRESS, SandboxNetwork
+
+ENVD_PORT = 49983
+
+
+class EnvdUnavailable(RuntimeError):
+    """envd did not answer in time."""
+
+
+class _GuestHTTPConnection(http.client.HTTPConnection):
+    """An HTTP connection whose socket is created inside a sandbox's namespace."""
+
+    def __init__(self, network: SandboxNetwork, port: int, timeout: float):
+        super().__init__(GUEST_ADDRESS, port, timeout=timeout)
+        self._network = network
+
+    def connect(self) -> None:
+        sock = self._network.socket()
+        sock.setblocking(True)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect((GUEST_ADDRESS, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _request(
+    network: SandboxNetwork,
+    method: str,
+    path: str,
+    *,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 5.0,
+) -> tuple[int, bytes]:
+    conn = _GuestHTTPConnection(network, ENVD_PORT, timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+class EnvdLink:
+    """Talks to one guest's envd on behalf of the host."""
+
+    def __init__(self, network: SandboxNetwork, access_token: str | None = None):
+        self.network = network
+        self.access_token = access_token
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        headers = {"X-Access-Token": self.access_token} if self.access_token else {}
+        return headers | (extra or {})
+
+    async def healthy(self, timeout: float = 1.0) -> bool:
+        try:
+            status, _ = await asyncio.to_thread(_request, self.network, "GET", "/health", timeout=timeout)
+        except (OSError, http.client.HTTPException):
+            return False
+        return 200 <= status < 300
+
+    async def wait_ready(self, timeout: float, *, poll: float = 0.05) -> float:
+        """Poll /health until it answers; returns the seconds waited."""
+        started = time.monotonic()
+        while not await self.healthy(timeout=min(2.0, timeout)):
+            if time.monotonic() - started > timeout:
+                raise EnvdUnavailable(f"envd did not answer /health within {timeout:.0f} s")
+            await asyncio.sleep(poll)
+        return time.monotonic() - started
+
+    async def init(self, payload: dict[str, Any], timeout: float = 5.0) -> None:
+        """POST /init: env vars, access token, default user and workdir, wall clock, entropy."""
+        body = json.dumps(payload).encode()
+        status, answer = await asyncio.to_thread(
+            _request, self.network, "POST", "/init", body=body,
+            headers=self._headers({"Content-Type": "application/json"}), timeout=timeout,
+        )  # fmt: skip
+        if status >= 300:
+            raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
+
+    async def run_as_root(self, argv: list[str], timeout: float = 10.0) -> int:
+        """Run a command through envd's process.Process/Start as root; returns its exit code."""
+        message = json.dumps({"process": {"cmd": argv[0], "args": argv[1:]}}).encode()
+        body = struct.pack(">BI", 0, len(message)) + message
+        headers = self._headers({
+            "Content-Type": "application/connect+json",
+            "Connect-Protocol-Version": "1",
+            "Authorization": "Basic " + base64.b64encode(b"root:").decode(),
+        })  # fmt: skip
+        status, answer = await asyncio.to_thread(
+            _request,
+            self.network,
+            "POST",
+            "/process.Process/Start",
+            body=body,
+            headers=headers,
+            timeout=timeout,
+        )
+        if status != 200:
+            raise RuntimeError(f"envd Start answered {status}: {answer[:200]!r}")
+        exit_code: int | None = None
+        offset = 0
+        while offset + 5 <= len(answer):
+            flags, size = struct.unpack(">BI", answer[offset : offset + 5])
+            frame = json.loads(answer[offset + 5 : offset + 5 + size] or b"{}")
+            offset += 5 + size
+            if flags & 0x02 and "error" in frame:
+                raise RuntimeError(f"envd Start failed: {frame['error']}")
+            end = frame.get("event", {}).get("end")
+            if end is not None:
+                exit_code = int(end.get("exitCode", 0))
+        if exit_code is None:
+            raise RuntimeError("envd Start ended without an end event")
+        return exit_code

@@ -1,0 +1,151 @@
+"""Boot a guest VM: upper disk layer, network namespace with a tap, QEMU, and envd ready.
+
+This is the cold path (a full kernel boot). Templates are built this way once; sandboxes are
+then restored from the template's snapshot instead of booting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..guest.artifacts import GuestArtifacts
+from ..network.netns import SandboxNetwork
+from .accel import Accelerator, accelerator_from_env
+from .envd_link import EnvdLink
+from .machine import Drive, MachineConfig, MemoryMode, VirtualMachine
+
+log = logging.getLogger(__name__)
+
+
+async def create_upper_layer(lower: Path, upper: Path) -> None:
+    """A fresh writable qcow2 layer whose reads fall through to `lower`."""
+    process = await asyncio.create_subprocess_exec(
+        "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(lower), str(upper),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"qemu-img create {upper} failed: {err.decode(errors='replace').strip()}")
+
+
+def guest_machine(
+    artifacts: GuestArtifacts,
+    upper: Path,
+    *,
+    accel: Accelerator,
+    hostname: str,
+    vcpus: int = 2,
+    memory_mib: int = 512,
+    memory_mode: MemoryMode = MemoryMode.ANONYMOUS,
+    memory_path: Path | None = None,
+) -> MachineConfig:
+    """The machine every aenv guest runs in: root disk first, tools drive second."""
+    return MachineConfig(
+        kernel=artifacts.kernel,
+        initramfs=artifacts.initramfs,
+        cmdline=f"{artifacts.kernel_cmdline} aenv.hostname={hostname}",
+        accel=accel,
+        vcpus=vcpus,
+        memory_mib=memory_mib,
+        drives=(
+            Drive("root", upper, "qcow2"),
+            Drive("tools", artifacts.tools_image, "raw", read_only=True),
+        ),
+        memory_mode=memory_mode,
+        memory_path=memory_path,
+    )
+
+
+@dataclass
+class GuestVM:
+    """A booted guest with its namespace, disk layer and envd link; owns their cleanup."""
+
+    vm: VirtualMachine
+    network: SandboxNetwork
+    envd: EnvdLink
+    workdir: Path
+
+    async def shutdown(self, timeout: float = 15.0) -> bool:
+        """Ask the guest's init to shut down cleanly; kill QEMU if it does not exit in time.
+
+        Returns whether the guest shut down by itself.
+        """
+        if self.vm.alive():
+            with contextlib.suppress(Exception):
+                await self.envd.run_as_root(["/bin/kill", "-TERM", "1"], timeout=5)
+            with contextlib.suppress(TimeoutError):
+                await self.vm.wait(timeout)
+        clean = not self.vm.alive()
+        await self.destroy()
+        return clean
+
+    async def destroy(self, *, keep_files: bool = False) -> None:
+        """Kill QEMU, remove the namespace and (unless kept) the VM directory. Idempotent."""
+        await self.vm.kill()
+        self.network.destroy()
+        if not keep_files:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+async def boot_guest(
+    artifacts: GuestArtifacts,
+    workdir: Path,
+    *,
+    name: str,
+    accel: Accelerator | None = None,
+    vcpus: int = 2,
+    memory_mib: int = 512,
+    memory_mode: MemoryMode = MemoryMode.ANONYMOUS,
+    memory_path: Path | None = None,
+    ready_timeout: float = 180.0,
+) -> GuestVM:
+    """Boot a fresh guest from the artifacts and return once envd answers /health."""
+    started = time.monotonic()
+    accel = accel or accelerator_from_env().accel
+    workdir.mkdir(parents=True, exist_ok=True)
+    upper = workdir / "disk.qcow2"
+    await create_upper_layer(artifacts.base_image, upper)
+    config = guest_machine(
+        artifacts, upper, accel=accel, hostname=name, vcpus=vcpus, memory_mib=memory_mib,
+        memory_mode=memory_mode, memory_path=memory_path,
+    )  # fmt: skip
+    network = SandboxNetwork.create(f"aenv-{name}")
+    vm: VirtualMachine | None = None
+    try:
+        tap_fd = network.open_tap()
+        try:
+            vm = await VirtualMachine.spawn(config, workdir, tap_fd=tap_fd)
+        finally:
+            os.close(tap_fd)
+        guest = GuestVM(vm=vm, network=network, envd=EnvdLink(network), workdir=workdir)
+        await _wait_ready(guest, ready_timeout)
+    except BaseException:
+        if vm is not None:
+            await vm.kill()
+        network.destroy()
+        raise
+    log.info("guest %s booted, envd ready in %.2f s (%s)", name, time.monotonic() - started, accel)
+    return guest
+
+
+async def _wait_ready(guest: GuestVM, timeout: float) -> None:
+    """Wait for envd, failing fast with the serial log's tail if QEMU dies meanwhile."""
+    ready = asyncio.create_task(guest.envd.wait_ready(timeout))
+    exited = asyncio.create_task(guest.vm.wait())
+    try:
+        done, _ = await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (ready, exited):
+            task.cancel()
+    if ready in done and ready.exception() is None:
+        return
+    tail = VirtualMachine._tail(guest.vm.serial_log)
+    cause = ready.exception() if ready in done else f"QEMU exited with status {guest.vm.process.returncode}"
+    raise RuntimeError(f"guest did not become ready: {cause}; serial log ends with:\n{tail}")
