@@ -1,0 +1,39 @@
+# aenv: `make run` sets everything up and starts a node; `make test` runs the whole suite.
+# Both are idempotent: system packages, the Python environment and the guest artifacts are
+# installed or built only when missing or when their inputs changed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: run test host-deps venv artifacts lint bench clean-venv
+
+run: venv artifacts
+	$(PY) -m aenv.cli run
+
+test: venv artifacts
+	$(PY) -m ruff check src tests bench
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+host-deps:
+	@bash scripts/install-host-deps.sh
+
+# The venv is rebuilt when pyproject.toml changes (the stamp records its content).
+venv: host-deps $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+artifacts: venv
+	$(PY) -m aenv.guest.artifacts
+
+lint: venv
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+
+clean-venv:
+	rm -rf $(VENV)
