@@ -1,0 +1,41 @@
+"""Entry point: `python3 -m <package> --port 49983`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from . import DEFAULT_PORT, ENVD_VERSION
+from .server import serve
+from .state import State
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="envd", description=f"E2B-compatible envd {ENVD_VERSION}")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--default-user", default="user", help="user for requests that name none")
+    parser.add_argument("--default-workdir", default=None, help="cwd for commands (default: user's home)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s envd %(levelname)s %(name)s: %(message)s")
+    state = State(default_user=args.default_user, default_workdir=args.default_workdir)
+
+    async def run() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
+        await serve(state, args.host, args.port)
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

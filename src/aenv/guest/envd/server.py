@@ -1,0 +1,88 @@
+"""Application assembly: routes, access-token middleware, CORS, lifecycle."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from .files_api import FilesAPI
+from .filesystem import FilesystemService
+from .httperr import UNAUTHORIZED, json_error
+from .process import ProcessService
+from .state import State
+from .system_api import SystemAPI
+
+log = logging.getLogger(__name__)
+
+# Paths that do their own authorisation (reference envd `authExcludedPaths`).
+AUTH_EXCLUDED = {("GET", "/health"), ("GET", "/files"), ("POST", "/files"), ("POST", "/init")}
+CORS_EXPOSE = "Connect-Protocol-Version, Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Content-Encoding"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(state: State) -> web.Application:
+    processes = ProcessService(state)
+    filesystem = FilesystemService(state)
+
+    @web.middleware
+    async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS":
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "*",
+                "Access-Control-Allow-Headers": "*",
+                "Access-Control-Max-Age": "7200",
+            })
+        token = state.access_token
+        if token and (request.method, request.path) not in AUTH_EXCLUDED:
+            sent = request.headers.get("X-Access-Token", "")
+            if not hmac.compare_digest(sent.encode(), token.encode()):
+                return json_error(401, UNAUTHORIZED)
+        return await handler(request)
+
+    async def cors(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.setdefault("Access-Control-Allow-Origin", "*")
+        response.headers.setdefault("Access-Control-Expose-Headers", CORS_EXPOSE)
+
+    async def shutdown(app: web.Application) -> None:
+        processes.shutdown()
+        filesystem.shutdown()
+
+    app = web.Application(middlewares=[access], client_max_size=16 * 1024 * 1024)
+    app.on_response_prepare.append(cors)
+    app.on_shutdown.append(shutdown)
+    app.add_routes(SystemAPI(state).routes())
+    app.add_routes(FilesAPI(state).routes())
+    app.add_routes(processes.routes())
+    app.add_routes(filesystem.routes())
+    app.router.add_route("OPTIONS", "/{tail:.*}", _no_content)
+    return app
+
+
+async def _no_content(request: web.Request) -> web.Response:
+    return web.Response(status=204)
+
+
+def runner_options() -> dict[str, object]:
+    """aiohttp >= 3.9 stops cancelling handlers on client disconnect by default; streams rely on it."""
+    major, minor = (int(p) for p in aiohttp.__version__.split(".")[:2])
+    return {"handler_cancellation": True} if (major, minor) >= (3, 9) else {}
+
+
+async def serve(state: State, host: str, port: int) -> None:
+    """Run until cancelled."""
+    import asyncio
+
+    runner = web.AppRunner(build_app(state), access_log=None, **runner_options())  # type: ignore[arg-type]
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    log.info("envd listening on %s:%d (user %s)", host, port, state.default_user)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,178 @@
+"""HTTP `/health`, `/init`, `/envs`, `/metrics`."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import logging
+import os
+import re
+import time
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+
+from . import ENVD_VERSION
+from .httperr import UNAUTHORIZED, json_error
+from .state import State
+
+log = logging.getLogger(__name__)
+
+CLOCK_TOLERANCE_NS = 50_000_000
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
+_FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+def parse_rfc3339_ns(value: str) -> int:
+    """RFC 3339 timestamp -> Unix nanoseconds (fractions beyond microseconds are truncated)."""
+    text = _FRACTION.sub(r"\1", value.strip().replace("z", "Z"))
+    dt = datetime.fromisoformat(text)
+    if dt.tzinfo is None:
+        raise ValueError("timestamp needs a UTC offset")
+    return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
+
+
+def sync_clock(target_ns: int) -> bool:
+    """Step CLOCK_REALTIME to `target_ns` if it is off by more than the tolerance; True if it was set."""
+    drift = target_ns - time.time_ns()
+    if abs(drift) <= CLOCK_TOLERANCE_NS:
+        return False
+    try:
+        time.clock_settime_ns(time.CLOCK_REALTIME, target_ns)
+    except OSError as e:
+        log.warning("cannot set the clock (drift %.3f s): %s", drift / 1e9, e)
+        return False
+    log.info("clock stepped by %.3f s", drift / 1e9)
+    return True
+
+
+def add_entropy(data: bytes) -> bool:
+    """Mix bytes into the kernel pool and force a CRNG reseed, so restored snapshots diverge. Best effort."""
+    import fcntl
+
+    try:
+        with open("/dev/urandom", "wb", buffering=0) as f:
+            f.write(data)
+            try:
+                fcntl.ioctl(f.fileno(), RNDRESEEDCRNG)
+            except OSError as e:
+                log.debug("RNDRESEEDCRNG failed: %s", e)
+    except OSError as e:
+        log.warning("cannot add entropy: %s", e)
+        return False
+    return True
+
+
+class CPUSampler:
+    """cpu_used_pct since the previous sample (first call: since boot), from /proc/stat."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, int] | None = None
+
+    def percent(self) -> float:
+        try:
+            with open("/proc/stat") as f:
+                values = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return 0.0
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        total = sum(values[:8])
+        prev_total, prev_idle = self.last or (0, 0)
+        self.last = (total, idle)
+        dt = total - prev_total
+        return round(100.0 * (dt - (idle - prev_idle)) / dt, 2) if dt > 0 else 0.0
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class SystemAPI:
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.cpu = CPUSampler()
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/health", self.health),
+            web.post("/init", self.init),
+            web.get("/envs", self.envs),
+            web.get("/metrics", self.metrics),
+        ]
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=204, headers={"Cache-Control": "no-store", "X-Envd-Version": ENVD_VERSION})
+
+    async def init(self, request: web.Request) -> web.Response:
+        """Configure the sandbox. Once a token is set, re-initialising requires presenting it."""
+        current = self.state.access_token
+        if current and not hmac.compare_digest(request.headers.get("X-Access-Token", "").encode(),
+                                               current.encode()):
+            return json_error(401, UNAUTHORIZED)
+        try:
+            body: Any = await request.json() if await request.read() else {}
+        except ValueError:
+            return json_error(400, "invalid JSON body")
+        if not isinstance(body, dict):
+            return json_error(400, "body must be a JSON object")
+        env_vars = body.get("envVars") or {}
+        if not isinstance(env_vars, dict):
+            return json_error(400, "envVars must be an object")
+        timestamp = entropy = None
+        try:
+            if body.get("timestamp"):
+                timestamp = parse_rfc3339_ns(str(body["timestamp"]))
+            if body.get("entropy"):
+                entropy = base64.b64decode(str(body["entropy"]), validate=True)
+        except (ValueError, binascii.Error) as e:
+            return json_error(400, f"invalid init field: {e}")
+        if timestamp is not None:
+            sync_clock(timestamp)
+        if entropy:
+            add_entropy(entropy)
+        self.state.env_vars.update({str(k): str(v) for k, v in env_vars.items()})
+        if body.get("accessToken"):
+            self.state.access_token = str(body["accessToken"])
+        if body.get("defaultUser"):
+            self.state.default_user = str(body["defaultUser"])
+        if body.get("defaultWorkdir"):
+            self.state.default_workdir = str(body["defaultWorkdir"])
+        return web.Response(status=204)
+
+    async def envs(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state.env_vars)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        mem = _meminfo()
+        total = mem.get("MemTotal", 0)
+        used = total - mem.get("MemAvailable", mem.get("MemFree", 0))
+        try:
+            disk = os.statvfs("/")
+            disk_total = disk.f_blocks * disk.f_frsize
+            disk_used = (disk.f_blocks - disk.f_bfree) * disk.f_frsize
+        except OSError:
+            disk_total = disk_used = 0
+        return web.json_response({
+            "ts": int(time.time()),
+            "cpu_count": os.cpu_count() or 1,
+            "cpu_used_pct": self.cpu.percent(),
+            "mem_total": total,
+            "mem_used": used,
+            "mem_cache": mem.get("Cached", 0),
+            "mem_total_mib": total // (1024 * 1024),
+            "mem_used_mib": used // (1024 * 1024),
+            "disk_used": disk_used,
+            "disk_total": disk_total,
+        })
