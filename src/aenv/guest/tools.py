@@ -1,0 +1,107 @@
+"""Tools drive: the guest's init and envd with their vendored dependencies, on a small ext4 disk.
+
+Kept apart from the Debian root filesystem so that changing envd or init rebuilds only this
+image (seconds), never the rootfs (minutes), and so that every template, including ones built
+from other images, gets the same init and envd. The guest mounts it read-only at /opt/aenv.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from aenv.guest.cache import cached_build, file_digest, inputs_key, tree_digest
+
+log = logging.getLogger(__name__)
+
+TOOLS_LABEL = "aenv-tools"
+TOOLS_MOUNT = "/opt/aenv"
+ENVD_PACKAGE = "aenv_envd"
+ENVD_PORT = 49983
+PRODUCT = "tools.img"
+
+GUEST_DIR = Path(__file__).parent
+INIT_SOURCE = GUEST_DIR / "init.py"
+ENVD_SOURCE = GUEST_DIR / "envd"
+
+# The one place guest-side Python dependencies are pinned (the host venv's versions, so envd
+# runs in the guest with what its tests run on the host). Guest: Debian bookworm, CPython 3.11.
+GUEST_PYTHON = "3.11"
+VENDORED = (
+    "aiohttp==3.14.5",
+    "aiohappyeyeballs==2.7.1",
+    "aiosignal==1.4.0",
+    "attrs==26.1.0",
+    "frozenlist==1.8.0",
+    "multidict==7.2.1",
+    "propcache==0.5.4",
+    "yarl==1.25.1",
+    "idna==3.20",
+    "typing_extensions==4.16.0",
+)
+
+
+def tools_key() -> str:
+    """Hash of init, envd sources, pins and this builder: all that decides the drive's content."""
+    return inputs_key(
+        builder=file_digest(Path(__file__)),
+        init=file_digest(INIT_SOURCE),
+        envd=tree_digest(ENVD_SOURCE),
+        vendored=VENDORED,
+        python=GUEST_PYTHON,
+    )
+
+
+def _vendor(lib: Path) -> None:
+    """Install the pinned wheels for the guest's interpreter, whatever the host runs."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile",
+         "--target", str(lib), "--only-binary=:all:", "--python-version", GUEST_PYTHON,
+         "--platform", "manylinux2014_x86_64", "--implementation", "cp", *VENDORED],
+        check=True, stdin=subprocess.DEVNULL,
+    )
+    shutil.rmtree(lib / "bin", ignore_errors=True)
+
+
+def _precompile(root: Path) -> None:
+    """Byte-compile once here: the drive is read-only, so the guest could never cache .pyc files.
+
+    Only possible when the host interpreter has the guest's bytecode version.
+    """
+    if f"{sys.version_info.major}.{sys.version_info.minor}" != GUEST_PYTHON:
+        log.warning("host Python is not %s: tools drive ships without .pyc (slower envd start)", GUEST_PYTHON)
+        return
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
+         str(root)],
+        check=True,
+    )
+
+
+def _build(out: Path) -> None:
+    tree = out / "tree"
+    lib = tree / "lib"
+    lib.mkdir(parents=True)
+    shutil.copy2(INIT_SOURCE, tree / "init.py")
+    if ENVD_SOURCE.is_dir():
+        shutil.copytree(ENVD_SOURCE, lib / ENVD_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        log.warning("no envd sources at %s: tools drive has no envd", ENVD_SOURCE)
+    _vendor(lib)
+    _precompile(tree)
+    size_mib = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file()) * 2 // (1 << 20) + 16
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-L", TOOLS_LABEL, "-m", "0", "-O", "^has_journal",
+         "-E", "root_owner=0:0", "-d", str(tree), str(out / PRODUCT), f"{size_mib}M"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+    shutil.rmtree(tree)
+
+
+def ensure_tools() -> tuple[Path, str]:
+    """Path of the cached tools drive (built if missing) and its digest."""
+    key = tools_key()
+    return cached_build("tools", key, _build, PRODUCT) / PRODUCT, key
