@@ -8,6 +8,7 @@ import errno
 import hashlib
 import hmac
 import os
+import re
 import stat
 import time
 import zlib
@@ -23,6 +24,7 @@ from .users import User, default_user, lookup_user, resolve_path, run_as
 
 CHUNK = 256 * 1024
 METADATA_PREFIX = "x-metadata-"
+_DISPOSITION_PARAM = re.compile(r';\s*([^=;\s]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')
 
 
 class HTTPFailure(Exception):
@@ -192,7 +194,7 @@ class FilesAPI:
                         break
                     if getattr(part, "name", None) != "file":
                         continue
-                    raw = query_path or getattr(part, "filename", None) or ""
+                    raw = query_path or part_filename(part.headers.get("Content-Disposition", ""))
                     if not raw:
                         raise HTTPFailure(400, "missing file path (filename or path query parameter)")
                     path = self._path(raw, user)
@@ -249,6 +251,21 @@ class FilesAPI:
                 raise HTTPFailure(500, f"cannot store metadata on '{path}': {e.strerror or e}") from None
             info["metadata"] = metadata
         return info
+
+
+def part_filename(disposition: str) -> str:
+    """The part's filename *with* its directories (aiohttp strips leading slashes; envd keeps full paths)."""
+    from urllib.parse import unquote
+
+    params = {k.lower(): v.strip() for k, v in _DISPOSITION_PARAM.findall(disposition)}
+    extended = params.get("filename*")
+    if extended and "'" in extended:
+        charset, _, value = extended.strip('"').split("'", 2)
+        return unquote(value, encoding=charset or "utf-8", errors="replace")
+    value = params.get("filename", "")
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = re.sub(r"\\(.)", r"\1", value[1:-1])
+    return value
 
 
 def _accepts_gzip(request: web.Request) -> bool:

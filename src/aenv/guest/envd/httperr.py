@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
+
+UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 
 
 def json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"code": status, "message": message}, status=status,
-                             content_type="application/json", charset="utf-8")
-
-
-UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
+    return web.Response(text=json.dumps({"code": status, "message": message}), status=status,
+                        content_type="application/json", charset="utf-8")
