@@ -52,9 +52,16 @@ def ensure_guest_artifacts() -> GuestArtifacts:
     base, base_digest = ensure_rootfs()
     log.debug("guest artifacts ready in %.2f s", time.monotonic() - started)
     return GuestArtifacts(
-        kernel=kernel.vmlinux, initramfs=initramfs, base_image=base, tools_image=tools,
-        kernel_cmdline=KERNEL_CMDLINE, kernel_release=kernel.release, kernel_digest=kernel.digest,
-        initramfs_digest=initramfs_digest, base_image_digest=base_digest, tools_image_digest=tools_digest,
+        kernel=kernel.vmlinux,
+        initramfs=initramfs,
+        base_image=base,
+        tools_image=tools,
+        kernel_cmdline=KERNEL_CMDLINE,
+        kernel_release=kernel.release,
+        kernel_digest=kernel.digest,
+        initramfs_digest=initramfs_digest,
+        base_image_digest=base_digest,
+        tools_image_digest=tools_digest,
     )
 
 

@@ -13,10 +13,8 @@ import ctypes
 import errno
 import os
 import signal
-import socket
 import sys
 import time
-import traceback
 
 TOOLS = "/opt/aenv"
 ENVD_PORT = 49983
@@ -43,8 +41,13 @@ MOUNTS = (
     ("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"),
     ("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, ""),
 )
-DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
-             "/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2", "/dev/ptmx": "pts/ptmx"}
+DEV_LINKS = {
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
+    "/dev/ptmx": "pts/ptmx",
+}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _console_fd = 2
@@ -82,9 +85,16 @@ def _check(result: int, what: str) -> None:
 
 
 def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str = "") -> None:
-    _check(_libc.mount(source.encode() if source else None, target.encode(),
-                       fstype.encode() if fstype else None, flags, data.encode() if data else None),
-           f"mount {target}")
+    _check(
+        _libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
+        f"mount {target}",
+    )
 
 
 def mount_filesystems() -> None:
@@ -109,7 +119,8 @@ def mount_filesystems() -> None:
 
 
 def set_hostname(name: str) -> None:
-    socket.sethostname(name)
+    with open("/proc/sys/kernel/hostname", "w") as f:
+        f.write(name)
     with open("/etc/hostname", "w") as f:
         f.write(name + "\n")
     with open("/etc/hosts") as f:
@@ -120,17 +131,30 @@ def set_hostname(name: str) -> None:
 
 def spawn(argv: list[str], env: dict[str, str] | None = None) -> int:
     """Start a child with a clean signal mask and the console as stdout and stderr."""
-    actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-               (os.POSIX_SPAWN_DUP2, _console_fd, 1), (os.POSIX_SPAWN_DUP2, _console_fd, 2)]
-    return os.posix_spawn(argv[0], argv, env if env is not None else {"PATH": PATH}, file_actions=actions,
-                          setsigmask=(), setsid=True)
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_DUP2, _console_fd, 1),
+        (os.POSIX_SPAWN_DUP2, _console_fd, 2),
+    ]
+    return os.posix_spawn(
+        argv[0],
+        argv,
+        env if env is not None else {"PATH": PATH},
+        file_actions=actions,
+        setsigmask=(),
+        setsid=True,
+    )
 
 
 def run(argv: list[str], stdin: bytes = b"") -> int:
     """Run a command to completion (during startup, before the reaping loop takes over)."""
     read_end, write_end = os.pipe()
-    actions = [(os.POSIX_SPAWN_DUP2, read_end, 0), (os.POSIX_SPAWN_CLOSE, write_end),
-               (os.POSIX_SPAWN_DUP2, _console_fd, 1), (os.POSIX_SPAWN_DUP2, _console_fd, 2)]
+    actions = [
+        (os.POSIX_SPAWN_DUP2, read_end, 0),
+        (os.POSIX_SPAWN_CLOSE, write_end),
+        (os.POSIX_SPAWN_DUP2, _console_fd, 1),
+        (os.POSIX_SPAWN_DUP2, _console_fd, 2),
+    ]
     pid = os.posix_spawn(argv[0], argv, {"PATH": PATH}, file_actions=actions, setsigmask=())
     os.close(read_end)
     os.write(write_end, stdin)
@@ -142,8 +166,11 @@ def configure_network(dns: str) -> None:
     """Static addressing on the point-to-point link to the host's tap (design.md §2)."""
     commands = [b"link set lo up"]
     if os.path.exists("/sys/class/net/eth0"):
-        commands += [f"addr add {GUEST_IP} dev eth0".encode(), b"link set eth0 up",
-                     f"route add default via {GATEWAY} dev eth0".encode()]
+        commands += [
+            f"addr add {GUEST_IP} dev eth0".encode(),
+            b"link set eth0 up",
+            f"route add default via {GATEWAY} dev eth0".encode(),
+        ]
     else:
         log("no eth0: the VM has no network device; loopback only")
     code = run(["/usr/sbin/ip", "-force", "-batch", "-"], b"\n".join(commands) + b"\n")
@@ -156,8 +183,16 @@ def configure_network(dns: str) -> None:
 
 
 def envd_env() -> dict[str, str]:
-    return {"PATH": PATH, "PYTHONPATH": f"{TOOLS}/lib", "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/root",
-            "USER": "root", "LANG": "C.UTF-8", "SHELL": "/bin/bash"}
+    return {
+        "PATH": PATH,
+        "PYTHONPATH": f"{TOOLS}/lib",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HOME": "/root",
+        "USER": "root",
+        "LANG": "C.UTF-8",
+        "SHELL": "/bin/bash",
+    }
 
 
 class Envd:
@@ -254,8 +289,10 @@ def boot() -> Envd:
     mount_filesystems()
     options = parse_cmdline(_read("/proc/cmdline"))
     log(f"init started (python {sys.version.split()[0]}, options {options})")
-    steps = (("hostname", lambda: set_hostname(options.get("hostname") or DEFAULT_HOSTNAME)),
-             ("network", lambda: configure_network(options.get("dns") or DEFAULT_DNS)))
+    steps = (
+        ("hostname", lambda: set_hostname(options.get("hostname") or DEFAULT_HOSTNAME)),
+        ("network", lambda: configure_network(options.get("dns") or DEFAULT_DNS)),
+    )
     for name, step in steps:
         try:
             step()
@@ -289,6 +326,8 @@ def main() -> None:
                 shutdown(signal.Signals(info.si_signo).name)
                 return
     except BaseException:
+        import traceback  # only on this path: every import costs boot time under TCG
+
         log("fatal error in init:\n" + traceback.format_exc())
         shutdown("init failed")
 

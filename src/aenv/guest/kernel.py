@@ -110,4 +110,3 @@ def ensure_kernel() -> Kernel:
 
     directory = cached_build("kernel", key, build, PRODUCT)
     return Kernel(directory / PRODUCT, (directory / "release").read_text().strip(), key)
-

@@ -24,8 +24,20 @@ PRODUCT = "base.qcow2"
 
 # What an E2B-style base template offers; init and envd need nothing beyond python3 and iproute2.
 PACKAGES = (
-    "bash", "coreutils", "procps", "iproute2", "ca-certificates", "curl", "git", "sudo",
-    "python3", "python3-pip", "python3-venv", "util-linux", "less", "netbase",
+    "bash",
+    "coreutils",
+    "procps",
+    "iproute2",
+    "ca-certificates",
+    "curl",
+    "git",
+    "sudo",
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "util-linux",
+    "less",
+    "netbase",
 )
 
 # Documentation and translations are dead weight in a sandbox; copyright files stay.
@@ -68,24 +80,44 @@ def rootfs_key() -> str:
 def _build(out: Path) -> None:
     tree = out / "tree"
     cmd = [
-        "mmdebstrap", "--variant=minbase", "--mode=root", "--format=directory",
+        "mmdebstrap",
+        "--variant=minbase",
+        "--mode=root",
+        "--format=directory",
         f"--include={','.join(PACKAGES)}",
         *(f"--dpkgopt={opt}" for opt in DPKG_OPTIONS),
         *(f"--customize-hook={hook}" for hook in CUSTOMIZE_HOOKS),
-        SUITE, str(tree), MIRROR,
+        SUITE,
+        str(tree),
+        MIRROR,
     ]
     subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
     raw = out / "base.ext4"
     # Inode tables and journal are zeroed now, so the guest never runs ext4lazyinit into
     # its upper layer; qemu-img drops the zero clusters again.
     subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-L", ROOT_LABEL, "-m", "0", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-         "-d", str(tree), str(raw), IMAGE_SIZE],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            ROOT_LABEL,
+            "-m",
+            "0",
+            "-E",
+            "lazy_itable_init=0,lazy_journal_init=0",
+            "-d",
+            str(tree),
+            str(raw),
+            IMAGE_SIZE,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     shutil.rmtree(tree)
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / PRODUCT)],
-                   check=True)
+    subprocess.run(
+        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / PRODUCT)], check=True
+    )
     raw.unlink()
 
 

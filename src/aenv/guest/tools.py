@@ -58,10 +58,27 @@ def tools_key() -> str:
 def _vendor(lib: Path) -> None:
     """Install the pinned wheels for the guest's interpreter, whatever the host runs."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile",
-         "--target", str(lib), "--only-binary=:all:", "--python-version", GUEST_PYTHON,
-         "--platform", "manylinux2014_x86_64", "--implementation", "cp", *VENDORED],
-        check=True, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-compile",
+            "--target",
+            str(lib),
+            "--only-binary=:all:",
+            "--python-version",
+            GUEST_PYTHON,
+            "--platform",
+            "manylinux2014_x86_64",
+            "--implementation",
+            "cp",
+            *VENDORED,
+        ],
+        check=True,
+        stdin=subprocess.DEVNULL,
     )
     shutil.rmtree(lib / "bin", ignore_errors=True)
 
@@ -75,8 +92,17 @@ def _precompile(root: Path) -> None:
         log.warning("host Python is not %s: tools drive ships without .pyc (slower envd start)", GUEST_PYTHON)
         return
     subprocess.run(
-        [sys.executable, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
-         str(root)],
+        [
+            sys.executable,
+            "-m",
+            "compileall",
+            "-q",
+            "-j",
+            "0",
+            "--invalidation-mode",
+            "unchecked-hash",
+            str(root),
+        ],
         check=True,
     )
 
@@ -94,9 +120,25 @@ def _build(out: Path) -> None:
     _precompile(tree)
     size_mib = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file()) * 2 // (1 << 20) + 16
     subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-L", TOOLS_LABEL, "-m", "0", "-O", "^has_journal",
-         "-E", "root_owner=0:0", "-d", str(tree), str(out / PRODUCT), f"{size_mib}M"],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-L",
+            TOOLS_LABEL,
+            "-m",
+            "0",
+            "-O",
+            "^has_journal",
+            "-E",
+            "root_owner=0:0",
+            "-d",
+            str(tree),
+            str(out / PRODUCT),
+            f"{size_mib}M",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     shutil.rmtree(tree)
 

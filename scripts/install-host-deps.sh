@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Install what an aenv node needs on Debian 12 (bookworm) or 13 (trixie), as root.
+# Idempotent: when every package is present and QEMU is >= 10.0 it exits without touching apt.
+set -euo pipefail
+
+MIN_QEMU_MAJOR=10
+# QEMU comes from bookworm-backports on Debian 12 (bookworm's 7.2 cannot share memory images).
+QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
+# Guest artifacts: kernel + modules, initramfs (busybox, cpio, kmod's modprobe), rootfs
+# (mmdebstrap, e2fsprogs' mkfs.ext4), kernel payloads and modules that may be zstd.
+# Host runtime: iproute2 and nftables for sandbox networks, python3-venv for the project.
+PACKAGES=(
+    linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
+    cpio e2fsprogs zstd iproute2 nftables python3-venv
+)
+
+log() { echo "install-host-deps: $*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+    log "must run as root"
+    exit 1
+fi
+
+qemu_ok() {
+    local version
+    version=$(qemu-system-x86_64 --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\)\..*/\1/p')
+    [ -n "$version" ] && [ "$version" -ge "$MIN_QEMU_MAJOR" ] && command -v qemu-img >/dev/null
+}
+
+missing_packages() {
+    local pkg
+    for pkg in "${PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}\n' "$pkg" 2>/dev/null | grep -q '^install ok installed$' || echo "$pkg"
+    done
+}
+
+missing=$(missing_packages)
+if qemu_ok && [ -z "$missing" ]; then
+    log "all host dependencies present ($(qemu-system-x86_64 --version | head -1))"
+    exit 0
+fi
+
+. /etc/os-release
+export DEBIAN_FRONTEND=noninteractive
+qemu_target=()
+case "${VERSION_CODENAME:-}" in
+    bookworm)
+        list=/etc/apt/sources.list.d/bookworm-backports.list
+        if ! grep -rqs '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+            log "adding bookworm-backports"
+            echo "deb http://deb.debian.org/debian bookworm-backports main" > "$list"
+        fi
+        qemu_target=(-t bookworm-backports)
+        ;;
+    trixie | forky | sid) ;;
+    *) log "untested distribution '${PRETTY_NAME:-unknown}': trying the stock packages" ;;
+esac
+
+log "installing: ${missing//$'\n'/ } ${QEMU_PACKAGES[*]}"
+apt-get update -q
+# shellcheck disable=SC2086  # $missing is a newline-separated package list
+apt-get install -y -q --no-install-recommends $missing
+apt-get install -y -q --no-install-recommends "${qemu_target[@]}" "${QEMU_PACKAGES[@]}"
+
+if ! qemu_ok; then
+    log "QEMU >= $MIN_QEMU_MAJOR.0 is required, found: $(qemu-system-x86_64 --version 2>/dev/null | head -1)"
+    exit 1
+fi
+log "done ($(qemu-system-x86_64 --version | head -1))"
