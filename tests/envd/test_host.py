@@ -1,0 +1,232 @@
+"""Host-only envd tests: wire details the SDK does not exercise (raw HTTP), auth, /init, async SDK paths."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import json
+import struct
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import AsyncSandbox, AuthenticationException
+from e2b.connection_config import ConnectionConfig
+from packaging.version import Version
+
+from aenv.guest.envd import ENVD_VERSION
+
+from .conftest import EnvdProcess, sdk_sandbox
+
+
+def _headers(envd: EnvdProcess, stream: bool = True, **extra: str) -> dict[str, str]:
+    h = {"Content-Type": "application/connect+json" if stream else "application/json",
+         "Connect-Protocol-Version": "1"}
+    if envd.token:
+        h["X-Access-Token"] = envd.token
+    h.update(extra)
+    return h
+
+
+def _envelope(msg: dict) -> bytes:
+    payload = json.dumps(msg).encode()
+    return struct.pack(">BI", 0, len(payload)) + payload
+
+
+def _read_frames(resp: httpx.Response) -> list[tuple[int, dict]]:
+    """Parse a whole connect+json response body into (flags, message) frames."""
+    frames, buf = [], b""
+    for chunk in resp.iter_bytes():
+        buf += chunk
+        while len(buf) >= 5:
+            flags, length = struct.unpack(">BI", buf[:5])
+            if len(buf) < 5 + length:
+                break
+            frames.append((flags, json.loads(buf[5:5 + length])))
+            buf = buf[5 + length:]
+    assert buf == b""
+    return frames
+
+
+def _start(envd: EnvdProcess, script: str, cwd: str | None = None, **headers: str) -> list[tuple[int, dict]]:
+    body: dict = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", script]}, "stdin": False}
+    if cwd:
+        body["process"]["cwd"] = cwd
+    with httpx.stream("POST", envd.url + "/process.Process/Start", content=_envelope(body),
+                      headers=_headers(envd, **headers), timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "application/connect+json"
+        return _read_frames(r)
+
+
+def _unary(envd: EnvdProcess, method: str, body: dict, **headers: str) -> httpx.Response:
+    return httpx.post(f"{envd.url}/{method}", json=body, headers=_headers(envd, stream=False, **headers))
+
+
+def test_keepalive_frames_and_end_stream(envd_server):
+    frames = _start(envd_server, "sleep 2.3; echo hi", **{"Keepalive-Ping-Interval": "1"})
+    events = [m.get("event", {}) for flags, m in frames if flags == 0]
+    assert "start" in events[0] and events[0]["start"]["pid"] > 0
+    assert sum("keepalive" in e for e in events) >= 2
+    assert {"data": {"stdout": base64.b64encode(b"hi\n").decode()}} in events
+    assert events[-1]["end"] == {"exitCode": 0, "exited": True, "status": "exit status 0"}
+    assert frames[-1] == (2, {})
+
+
+def test_error_in_end_stream_frame(envd_server, tmp_path):
+    frames = _start(envd_server, "true", cwd=str(tmp_path / "nope"))
+    assert len(frames) == 1
+    flags, msg = frames[0]
+    assert flags == 2 and msg["error"]["code"] == "invalid_argument"
+    assert "does not exist" in msg["error"]["message"]
+
+
+def test_deadline_ends_stream_and_kills(envd_server):
+    frames = _start(envd_server, "echo started; sleep 30", **{"Connect-Timeout-Ms": "700"})
+    pid = frames[0][1]["event"]["start"]["pid"]
+    assert frames[-1][0] == 2 and frames[-1][1]["error"]["code"] == "deadline_exceeded"
+    time.sleep(0.3)
+    listed = _unary(envd_server, "process.Process/List", {}).json()["processes"]
+    assert pid not in [p["pid"] for p in listed]
+
+
+def test_unary_errors(envd_server):
+    r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": "/definitely/not/here"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = _unary(envd_server, "process.Process/SendSignal", {"process": {"pid": 1}, "signal": "SIGNAL_SIGKILL"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = httpx.post(envd_server.url + "/process.Process/List", content=b"{}",
+                   headers=_headers(envd_server, stream=False, **{"Content-Type": "application/proto"}))
+    assert r.status_code == 415
+    bad_user = {"Authorization": "Basic " + base64.b64encode(b"no-such-user:").decode()}
+    r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": "/"}, **bad_user)
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+
+
+def test_entry_info_wire_format(envd_server, tmp_path):
+    (tmp_path / "f.txt").write_text("12345")
+    r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": str(tmp_path / "f.txt")})
+    entry = r.json()["entry"]
+    assert entry["type"] == "FILE_TYPE_FILE" and entry["size"] == "5" and entry["name"] == "f.txt"
+    assert entry["permissions"].startswith("-rw") and isinstance(entry["mode"], int)
+    assert entry["modifiedTime"].endswith("Z")
+
+
+def test_access_token_required(envd_server):
+    r = httpx.post(envd_server.url + "/process.Process/List", json={})
+    assert r.status_code == 401
+    assert r.json() == {"code": 401, "message": "unauthorized access, please provide a valid access token or "
+                        "method signing if supported"}
+    assert httpx.get(envd_server.url + "/health").status_code == 204
+    assert httpx.get(envd_server.url + "/envs").status_code == 401
+
+
+def test_wrong_token_sdk(envd_server):
+    bad = sdk_sandbox(envd_server, token="wrong-token")
+    with pytest.raises(AuthenticationException):
+        bad.commands.run("true")
+    with pytest.raises(AuthenticationException):
+        bad.files.list("/")
+    with pytest.raises(AuthenticationException):
+        bad.files.read("/etc/hostname")
+
+
+def test_init_envs_clock_entropy(envd_server):
+    assert httpx.get(envd_server.url + "/envs", headers=_headers(envd_server)).json()["AENV_SANDBOX_VAR"] \
+        == "from-init"
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    body = {"timestamp": now, "entropy": base64.b64encode(b"\x01" * 64).decode(), "envVars": {"B": "2"}}
+    assert httpx.post(envd_server.url + "/init", json=body).status_code == 401  # token already set
+    r = httpx.post(envd_server.url + "/init", json=body, headers={"X-Access-Token": envd_server.token})
+    assert r.status_code == 204
+    envs = httpx.get(envd_server.url + "/envs", headers=_headers(envd_server)).json()
+    assert envs == {"AENV_SANDBOX_VAR": "from-init", "B": "2"}
+    out = sdk_sandbox(envd_server).commands.run('echo "$AENV_SANDBOX_VAR $B"', user="root").stdout
+    assert out == "from-init 2\n"
+    for bad in ({"timestamp": "yesterday"}, {"entropy": "***"}):
+        r = httpx.post(envd_server.url + "/init", json=bad, headers={"X-Access-Token": envd_server.token})
+        assert r.status_code == 400 and r.json()["code"] == 400
+
+
+def test_metrics(envd_server):
+    m = httpx.get(envd_server.url + "/metrics", headers=_headers(envd_server)).json()
+    for key in ("ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache", "mem_total_mib",
+                "mem_used_mib", "disk_used", "disk_total"):
+        assert key in m
+    assert m["mem_total"] > m["mem_used"] > 0 and m["disk_total"] > 0
+
+
+def test_health_reports_version(envd_server):
+    r = httpx.get(envd_server.url + "/health")
+    assert r.status_code == 204 and r.headers["X-Envd-Version"] == ENVD_VERSION
+    assert Version(ENVD_VERSION) >= Version("0.6.4")
+
+
+def test_files_raw_encodings_and_errors(envd_server, tmp_path):
+    data = b"x" * 10000
+    url = envd_server.url + "/files"
+    auth = {"X-Access-Token": envd_server.token}
+    r = httpx.post(url, params={"path": str(tmp_path / "g.bin")}, content=gzip.compress(data),
+                   headers={**auth, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+    assert r.status_code == 200 and r.json()[0]["path"] == str(tmp_path / "g.bin")
+    assert (tmp_path / "g.bin").read_bytes() == data
+    params = {"path": str(tmp_path / "g.bin")}
+    with httpx.Client() as c:
+        r = c.get(url, params=params, headers={**auth, "Accept-Encoding": "gzip"})
+        assert r.headers["content-encoding"] == "gzip" and r.content == data
+        r = c.get(url, params=params, headers={**auth, "Accept-Encoding": "identity"})
+        assert "content-encoding" not in r.headers and r.headers["content-length"] == "10000"
+    assert httpx.get(url, params={"path": str(tmp_path)}, headers=auth).status_code == 400
+    r = httpx.get(url, params={"path": str(tmp_path / "nope")}, headers=auth)
+    assert r.status_code == 404 and r.json()["code"] == 404
+    assert httpx.get(url, params={"path": "/etc/hostname", "username": "no-such-user"},
+                     headers=auth).status_code == 401
+    assert httpx.post(url, content=b"x", headers={**auth, "Content-Type": "application/octet-stream"}
+                      ).status_code == 400
+
+
+def test_signed_urls(envd_server, tmp_path):
+    sbx = sdk_sandbox(envd_server)
+    target = str(tmp_path / "signed.txt")
+    up = sbx.upload_url(target, user="root")
+    assert "signature=" in up
+    assert httpx.post(up, files={"file": ("signed.txt", b"signed!")}).status_code == 200
+    assert Path(target).read_bytes() == b"signed!"
+    down = sbx.download_url(target, user="root", use_signature_expiration=60)
+    assert httpx.get(down).content == b"signed!"
+    assert httpx.get(down.replace("signature=v1_", "signature=v1_X")).status_code == 401
+    assert httpx.get(envd_server.url + "/files", params={"path": target}).status_code == 401
+    expired = sbx.download_url(target, user="root", use_signature_expiration=-10)
+    assert httpx.get(expired).status_code == 401
+
+
+async def test_async_watch_dir_stream(envd_server, tmp_path):
+    headers = {"X-Access-Token": envd_server.token, "E2b-Sandbox-Id": "envdtest", "E2b-Sandbox-Port": "49983"}
+    config = ConnectionConfig(debug=True, sandbox_url=envd_server.url, extra_sandbox_headers=headers)
+    sbx = AsyncSandbox(sandbox_id="envdtest", sandbox_domain=None, envd_version=Version(ENVD_VERSION),
+                       envd_access_token=envd_server.token, traffic_access_token=None,
+                       connection_config=config)
+    events = []
+    handle = await sbx.files.watch_dir(str(tmp_path), events.append, recursive=True, include_entry=True)
+    try:
+        await sbx.files.write(str(tmp_path / "a.txt"), "a")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(e.name == "a.txt" for e in events):
+            await asyncio.sleep(0.05)
+        assert any(e.name == "a.txt" and e.type.value == "create" for e in events)
+        r = await sbx.commands.run("echo async", user="root")
+        assert r.stdout == "async\n"
+    finally:
+        await handle.stop()
+
+
+def test_clock_helpers():
+    from aenv.guest.envd.system_api import parse_rfc3339_ns
+
+    ts = datetime(2025, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
+    assert parse_rfc3339_ns("2025-01-02T03:04:05.123456789Z") == int(ts.timestamp()) * 10**9 + 123456000
+    assert parse_rfc3339_ns("2025-01-02T05:04:05+02:00") == int((ts - timedelta(microseconds=123456))
+                                                                   .timestamp()) * 10**9
