@@ -22,8 +22,9 @@ from aenv.guest.tools import ensure_tools
 
 log = logging.getLogger(__name__)
 
-# console on the serial port (the per-VM log), no PCI bus to probe on microvm, no reboot loop
-# on panic (QEMU runs with -no-reboot and exits). The launcher appends per-VM aenv.* keys.
+# console on the serial port (the per-VM log); pci=off because microvm has no PCI bus and this
+# kernel hangs early in boot under microvm without it (seen here under TCG); panic=-1 reboots at
+# once on a panic, which ends QEMU (-no-reboot). The launcher appends per-VM aenv.* keys.
 KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 pci=off rdinit=/init"
 
 
