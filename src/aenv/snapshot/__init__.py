@@ -1,0 +1,1 @@
+"""Snapshots: memory layers, device state, committed snapshot repository and catalog."""
