@@ -98,6 +98,7 @@ class Proc:
         self.write_lock = asyncio.Lock()
         self.timer: asyncio.TimerHandle | None = None
         self.waiter: asyncio.Task[None] | None = None
+        self.timed_out = False
 
     def subscribe(self) -> asyncio.Queue[Message]:
         q: asyncio.Queue[Message] = asyncio.Queue()
@@ -284,7 +285,13 @@ class ProcessService:
         else:
             loop.add_reader(pidfd, self._on_pidfd, proc, pidfd)
         if lifetime:
-            proc.timer = loop.call_later(lifetime, proc.signal, signal.SIGKILL)
+            proc.timer = loop.call_later(lifetime, self._expire, proc)
+
+    @staticmethod
+    def _expire(proc: Proc) -> None:
+        """The Start deadline is the process lifetime: kill it, independent of any stream."""
+        proc.timed_out = True
+        proc.signal(signal.SIGKILL)
 
     def _read(self, proc: Proc, fd: int, kind: str) -> int:
         """Read one chunk and publish it: bytes read, 0 if nothing is available, -1 once the stream ended."""
@@ -368,9 +375,12 @@ class ProcessService:
                         raise ConnectError("deadline_exceeded", "the operation timed out") from None
                     yield {"event": {"keepalive": {}}}
                     continue
-                yield msg
                 if "end" in msg["event"]:
+                    if proc.timed_out and deadline is not None:
+                        raise ConnectError("deadline_exceeded", "the operation timed out")
+                    yield msg
                     return
+                yield msg
         finally:
             if q is not None:
                 proc.subscribers.discard(q)
