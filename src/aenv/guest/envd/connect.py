@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -54,8 +55,6 @@ class ConnectError(Exception):
 
 def os_error(err: OSError, what: str) -> ConnectError:
     """Map an OSError to the Connect code the reference envd uses for the same condition."""
-    import errno
-
     code = {
         errno.ENOENT: "not_found",
         errno.EACCES: "permission_denied",
@@ -155,7 +154,7 @@ def _decode(payload: bytes) -> Message:
 
 
 UnaryHandler = Callable[[web.Request, Message], Awaitable[Message]]
-StreamHandler = Callable[[web.Request, Message], AsyncIterator[Message]]
+StreamHandler = Callable[[web.Request, Message], AsyncGenerator[Message, None]]
 ClientStreamHandler = Callable[[web.Request, AsyncIterator[Message]], Awaitable[Message]]
 
 
@@ -194,7 +193,7 @@ def server_stream(fn: StreamHandler) -> Callable[[web.Request], Awaitable[web.St
             return _codec_error(request.headers.get("Content-Type", ""), STREAM_CT)
         resp: web.StreamResponse | None = None
         error: ConnectError | None = None
-        gen: AsyncIterator[Message] | None = None
+        gen: AsyncGenerator[Message, None] | None = None
         try:
             msg = await read_envelope(request) or {}
             gen = fn(request, msg)
@@ -204,17 +203,17 @@ def server_stream(fn: StreamHandler) -> Callable[[web.Request], Awaitable[web.St
                 await resp.write(encode_message(out))
         except ConnectError as e:
             error = e
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             return resp or web.Response(status=499)
         finally:
-            if gen is not None and hasattr(gen, "aclose"):
-                await gen.aclose()  # type: ignore[attr-defined]
+            if gen is not None:
+                await gen.aclose()
         if resp is None:
             resp = await _start_stream(request)
         try:
             await resp.write(end_stream(error))
             await resp.write_eof()
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             pass
         return resp
 

@@ -171,7 +171,7 @@ class FilesAPI:
                 if eof:
                     break
             await resp.write_eof()
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             pass
         return resp
 
