@@ -21,7 +21,7 @@ from .guest.artifacts import ensure_guest_artifacts
 from .network.forward import forward_port
 from .vmm.accel import accelerator_from_env
 from .vmm.envd_link import ENVD_PORT
-from .vmm.launcher import boot_guest
+from .vmm.launcher import boot_base_guest
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -31,7 +31,7 @@ async def _run(args: argparse.Namespace) -> int:
     name = f"run{secrets.token_hex(3)}"
     workdir = paths.home_dir() / "vms" / name
     started = time.monotonic()
-    guest = await boot_guest(artifacts, workdir, name=name, accel=choice.accel)
+    guest = await boot_base_guest(artifacts, workdir, name=name, accel=choice.accel)
     server = None
     try:
         server = await forward_port(guest.network, ENVD_PORT, host=args.host, port=args.port)
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--host", default="127.0.0.1")
     run.add_argument("--port", type=int, default=int(os.environ.get("AENV_ENVD_PORT", "49983")))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("AENV_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("AENV_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s"
+    )
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(_run(args))
     return 130

@@ -207,7 +207,8 @@ class Envd:
     def start(self) -> None:
         self.restart_at = None
         try:
-            self.pid = spawn(["/usr/bin/python3", "-m", "aenv_envd", "--port", str(ENVD_PORT)], envd_env())
+            argv = ["/usr/bin/python3", "-m", "aenv_envd", "--port", str(ENVD_PORT), "--host-peer", GATEWAY]
+            self.pid = spawn(argv, envd_env())
         except OSError as e:
             log(f"cannot start envd: {e}")
             self.exited(None)

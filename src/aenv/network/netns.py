@@ -19,7 +19,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute, netns
+from pyroute2 import AsyncIPRoute, netns
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ GUEST_ADDRESS = "169.254.0.21"
 GATEWAY_ADDRESS = "169.254.0.22"
 PREFIX_LEN = 30
 TAP_NAME = "tap0"
+# Every tap has the same MAC: a restored guest keeps the gateway's MAC in its ARP cache.
+GATEWAY_MAC = "02:00:a9:fe:00:16"
 
 _CLONE_NEWNET = 0x40000000
 _TUNSETIFF = 0x400454CA
@@ -69,18 +71,19 @@ class SandboxNetwork:
     name: str
 
     @classmethod
-    def create(cls, name: str) -> SandboxNetwork:
+    async def create(cls, name: str) -> SandboxNetwork:
         """Create the namespace, bring up loopback and the tap with the gateway address."""
         netns.create(name)
         network = cls(name)
         try:
-            with IPRoute(netns=name) as ipr:
-                ipr.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
-                (tap,) = ipr.link_lookup(ifname=TAP_NAME)
-                ipr.addr("add", index=tap, address=GATEWAY_ADDRESS, prefixlen=PREFIX_LEN)
-                ipr.link("set", index=tap, state="up")
-                (lo,) = ipr.link_lookup(ifname="lo")
-                ipr.link("set", index=lo, state="up")
+            async with AsyncIPRoute(netns=name) as ipr:
+                await ipr.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
+                (tap,) = await ipr.link_lookup(ifname=TAP_NAME)
+                await ipr.link("set", index=tap, address=GATEWAY_MAC)
+                await ipr.addr("add", index=tap, address=GATEWAY_ADDRESS, prefixlen=PREFIX_LEN)
+                await ipr.link("set", index=tap, state="up")
+                (lo,) = await ipr.link_lookup(ifname="lo")
+                await ipr.link("set", index=lo, state="up")
         except BaseException:
             network.destroy()
             raise

@@ -500,6 +500,13 @@ class SnapshotRepository:
                 if (self._deleted / snapshot_id).exists():
                     self._remove(snapshot_id, self.grace_seconds)
 
+    def leased(self, snapshot_id: str, holder: str) -> SnapshotManifest:
+        """The manifest a lease holder runs from, also after a deferred delete hid it from `get`."""
+        _check_holder(holder)
+        if not SNAPSHOT_ID_RE.fullmatch(snapshot_id) or not (self._leases / snapshot_id / holder).exists():
+            raise SnapshotNotFound(f"{holder!r} holds no lease on snapshot {snapshot_id!r}")
+        return self._load(snapshot_id)
+
     def holders(self, id_or_alias: str) -> list[str]:
         """Sorted lease holders of a snapshot (a deferred-deleted one too, given its id)."""
         if (

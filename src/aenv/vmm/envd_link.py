@@ -97,37 +97,55 @@ class EnvdLink:
         if status >= 300:
             raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
 
-    async def run_as_root(self, argv: list[str], timeout: float = 10.0) -> int:
-        """Run a command through envd's process.Process/Start as root; returns its exit code."""
-        message = json.dumps({"process": {"cmd": argv[0], "args": argv[1:]}}).encode()
-        body = struct.pack(">BI", 0, len(message)) + message
+    async def run(
+        self,
+        cmd: str,
+        *,
+        user: str = "root",
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        background: bool = False,
+        timeout: float = 30.0,
+    ) -> int | None:
+        """Run `cmd` with `/bin/bash -l -c` through envd's process.Process/Start.
+
+        Returns the exit code, or None for a background command (it keeps running after the
+        call, as envd keeps processes alive when their client goes away).
+        """
+        process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": envs or {}}
+        if cwd:
+            process["cwd"] = cwd
+        message = json.dumps({"process": process}).encode()
         headers = self._headers({
             "Content-Type": "application/connect+json",
             "Connect-Protocol-Version": "1",
-            "Authorization": "Basic " + base64.b64encode(b"root:").decode(),
+            "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
         })  # fmt: skip
-        status, answer = await asyncio.to_thread(
-            _request,
-            self.network,
-            "POST",
-            "/process.Process/Start",
-            body=body,
-            headers=headers,
-            timeout=timeout,
-        )
-        if status != 200:
-            raise RuntimeError(f"envd Start answered {status}: {answer[:200]!r}")
-        exit_code: int | None = None
-        offset = 0
-        while offset + 5 <= len(answer):
-            flags, size = struct.unpack(">BI", answer[offset : offset + 5])
-            frame = json.loads(answer[offset + 5 : offset + 5 + size] or b"{}")
-            offset += 5 + size
-            if flags & 0x02 and "error" in frame:
-                raise RuntimeError(f"envd Start failed: {frame['error']}")
-            end = frame.get("event", {}).get("end")
-            if end is not None:
-                exit_code = int(end.get("exitCode", 0))
-        if exit_code is None:
+        if not background:
+            headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
+        return await asyncio.to_thread(self._start, message, headers, background, timeout)
+
+    def _start(self, message: bytes, headers: dict[str, str], background: bool, timeout: float) -> int | None:
+        conn = _GuestHTTPConnection(self.network, ENVD_PORT, timeout)
+        try:
+            conn.request(
+                "POST", "/process.Process/Start", struct.pack(">BI", 0, len(message)) + message, headers
+            )
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"envd Start answered {response.status}: {response.read()[:200]!r}")
+            while header := response.read(5):
+                flags, size = struct.unpack(">BI", header)
+                frame = json.loads(response.read(size) or b"{}")
+                if flags & 0x02:
+                    if "error" in frame:
+                        raise RuntimeError(f"envd Start failed: {frame['error']}")
+                    break
+                event = frame.get("event", {})
+                if background and "start" in event:
+                    return None
+                if "end" in event:
+                    return int(event["end"].get("exitCode", 0))
             raise RuntimeError("envd Start ended without an end event")
-        return exit_code
+        finally:
+            conn.close()

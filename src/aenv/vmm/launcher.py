@@ -14,6 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..guest.artifacts import GuestArtifacts
 from ..network.netns import SandboxNetwork
@@ -35,12 +36,26 @@ async def create_upper_layer(lower: Path, upper: Path) -> None:
         raise RuntimeError(f"qemu-img create {upper} failed: {err.decode(errors='replace').strip()}")
 
 
+@dataclass(frozen=True)
+class BootFiles:
+    """What a guest boots from besides its root disk: kernel, initramfs, tools drive, command line."""
+
+    kernel: Path
+    initramfs: Path
+    tools_image: Path
+    cmdline: str
+
+    @classmethod
+    def from_artifacts(cls, artifacts: GuestArtifacts, hostname: str = "aenv") -> BootFiles:
+        cmdline = f"{artifacts.kernel_cmdline} aenv.hostname={hostname}"
+        return cls(artifacts.kernel, artifacts.initramfs, artifacts.tools_image, cmdline)
+
+
 def guest_machine(
-    artifacts: GuestArtifacts,
-    upper: Path,
+    boot: BootFiles,
+    root_disk: Path,
     *,
     accel: Accelerator,
-    hostname: str,
     vcpus: int = 2,
     memory_mib: int = 512,
     memory_mode: MemoryMode = MemoryMode.ANONYMOUS,
@@ -48,15 +63,15 @@ def guest_machine(
 ) -> MachineConfig:
     """The machine every aenv guest runs in: root disk first, tools drive second."""
     return MachineConfig(
-        kernel=artifacts.kernel,
-        initramfs=artifacts.initramfs,
-        cmdline=f"{artifacts.kernel_cmdline} aenv.hostname={hostname}",
+        kernel=boot.kernel,
+        initramfs=boot.initramfs,
+        cmdline=boot.cmdline,
         accel=accel,
         vcpus=vcpus,
         memory_mib=memory_mib,
         drives=(
-            Drive("root", upper, "qcow2"),
-            Drive("tools", artifacts.tools_image, "raw", read_only=True),
+            Drive("root", root_disk, "qcow2"),
+            Drive("tools", boot.tools_image, "raw", read_only=True),
         ),
         memory_mode=memory_mode,
         memory_path=memory_path,
@@ -79,7 +94,7 @@ class GuestVM:
         """
         if self.vm.alive():
             with contextlib.suppress(Exception):
-                await self.envd.run_as_root(["/bin/kill", "-TERM", "1"], timeout=5)
+                await self.envd.run("kill -TERM 1", background=True, timeout=5)
             with contextlib.suppress(TimeoutError):
                 await self.vm.wait(timeout)
         clean = not self.vm.alive()
@@ -95,28 +110,11 @@ class GuestVM:
 
 
 async def boot_guest(
-    artifacts: GuestArtifacts,
-    workdir: Path,
-    *,
-    name: str,
-    accel: Accelerator | None = None,
-    vcpus: int = 2,
-    memory_mib: int = 512,
-    memory_mode: MemoryMode = MemoryMode.ANONYMOUS,
-    memory_path: Path | None = None,
-    ready_timeout: float = 180.0,
+    config: MachineConfig, workdir: Path, *, network_name: str, ready_timeout: float = 180.0
 ) -> GuestVM:
-    """Boot a fresh guest from the artifacts and return once envd answers /health."""
+    """Boot a guest in a new network namespace and return once its envd answers /health."""
     started = time.monotonic()
-    accel = accel or accelerator_from_env().accel
-    workdir.mkdir(parents=True, exist_ok=True)
-    upper = workdir / "disk.qcow2"
-    await create_upper_layer(artifacts.base_image, upper)
-    config = guest_machine(
-        artifacts, upper, accel=accel, hostname=name, vcpus=vcpus, memory_mib=memory_mib,
-        memory_mode=memory_mode, memory_path=memory_path,
-    )  # fmt: skip
-    network = SandboxNetwork.create(f"aenv-{name}")
+    network = await SandboxNetwork.create(network_name)
     vm: VirtualMachine | None = None
     try:
         tap_fd = network.open_tap()
@@ -131,8 +129,23 @@ async def boot_guest(
             await vm.kill()
         network.destroy()
         raise
-    log.info("guest %s booted, envd ready in %.2f s (%s)", name, time.monotonic() - started, accel)
+    log.info(
+        "guest in %s booted, envd ready in %.2f s (%s)",
+        network_name,
+        time.monotonic() - started,
+        config.accel,
+    )
     return guest
+
+
+async def boot_base_guest(artifacts: GuestArtifacts, workdir: Path, *, name: str, **machine: Any) -> GuestVM:
+    """Boot the base root filesystem on a fresh upper layer of its own (the cold path)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    upper = workdir / "disk.qcow2"
+    await create_upper_layer(artifacts.base_image, upper)
+    accel = machine.pop("accel", None) or accelerator_from_env().accel
+    config = guest_machine(BootFiles.from_artifacts(artifacts, name), upper, accel=accel, **machine)
+    return await boot_guest(config, workdir, network_name=f"aenv-{name}")
 
 
 async def _wait_ready(guest: GuestVM, timeout: float) -> None:

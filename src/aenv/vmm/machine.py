@@ -75,7 +75,7 @@ class MachineConfig:
             "-smp", str(self.vcpus),
             "-m", f"{self.memory_mib}M",
             "-object", self._memory_backend(),
-            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(self.kernel),
             "-initrd", str(self.initramfs),
             "-append", self.cmdline,

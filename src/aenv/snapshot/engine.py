@@ -1,0 +1,546 @@
+"""The snapshot engine: templates as committed snapshots, restore, pause/resume, snapshot and fork.
+
+Mechanism (design.md §3): a template boots with its RAM in a shared file, which becomes the
+immutable memory image; every sandbox maps that image privately, so the pages it changes are
+its own anonymous pages. Pause and snapshot save device state without RAM plus those pages (a
+delta layer); restore spawns QEMU on the image, writes the delta back, and loads the template's
+stream prefix spliced with the sandbox's device sections. Disks are qcow2 chains
+(`aenv.storage.layers`): a snapshot seals the sandbox's writable layer with
+`blockdev-snapshot-sync`, so it costs no copy.
+
+Each capture holds every page the sandbox changed since the memory image (resume writes the
+earlier pages back as private pages, so they are captured again): a sandbox's delta never
+depends on an older one, and a snapshot has exactly one delta over its image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..guest.artifacts import GuestArtifacts
+from ..network.netns import SandboxNetwork
+from ..storage.layers import LayerStore, new_layer_id
+from ..vmm.accel import Accelerator
+from ..vmm.envd_link import EnvdLink
+from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
+from ..vmm.machine import MemoryMode, VirtualMachine, VMError
+from . import devstate, memory
+from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from .repository import SnapshotRepository
+
+log = logging.getLogger(__name__)
+
+MACHINE_TYPE = "microvm"
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class GuestInit:
+    """What envd is told after every start or resume (E2B's `POST /init`)."""
+
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+    def payload(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "envVars": self.env_vars,
+            "timestamp": datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            # Restored guests share the template's RNG state: give each one fresh entropy.
+            "entropy": base64.b64encode(os.urandom(64)).decode(),
+        }
+        if self.access_token:
+            body["accessToken"] = self.access_token
+        if self.default_user:
+            body["defaultUser"] = self.default_user
+        if self.default_workdir:
+            body["defaultWorkdir"] = self.default_workdir
+        return body
+
+
+@dataclass
+class SandboxState:
+    """What survives the QEMU process of a sandbox: enough to resume it, also after a node restart."""
+
+    sandbox_id: str
+    snapshot_id: str
+    disk_layers: list[str]  # bottom to top; the top one is the sandbox's writable layer
+    network_name: str
+    delta: str | None = None  # path of the delta layer from the last pause
+    devices: str | None = None  # path of the device state from the last pause
+    paused: bool = False
+
+    def save(self, workdir: Path) -> None:
+        tmp = workdir / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, workdir / STATE_FILE)
+
+    @classmethod
+    def load(cls, workdir: Path) -> SandboxState:
+        return cls(**json.loads((workdir / STATE_FILE).read_text()))
+
+
+@dataclass
+class SandboxVM:
+    """A running sandbox VM and where it came from."""
+
+    state: SandboxState
+    guest: GuestVM
+    manifest: SnapshotManifest
+    root_node: str = "root"  # QEMU's node name for the top of the root disk chain
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.state.sandbox_id
+
+    @property
+    def envd(self) -> EnvdLink:
+        return self.guest.envd
+
+    @property
+    def vm(self) -> VirtualMachine:
+        return self.guest.vm
+
+
+class EngineError(RuntimeError):
+    """A snapshot operation failed; the message says which and why."""
+
+
+class SnapshotEngine:
+    """Builds templates and runs sandboxes from committed snapshots on this node."""
+
+    def __init__(
+        self,
+        home: Path,
+        repository: SnapshotRepository,
+        artifacts: GuestArtifacts,
+        accel: Accelerator,
+        *,
+        incoming_timeout: float = 60.0,
+    ):
+        self.repository = repository
+        self.artifacts = artifacts
+        self.accel = accel
+        self.layers = LayerStore(home / "layers")
+        self.sandboxes_dir = home / "sandboxes"
+        self.runtime_dir = home / "runtime"
+        self.incoming_timeout = incoming_timeout
+        self._qemu_version: str | None = None
+        for directory in (self.sandboxes_dir, self.runtime_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+
+    # -- machine identity ------------------------------------------------------------------
+
+    async def qemu_version(self) -> str:
+        if self._qemu_version is None:
+            process = await asyncio.create_subprocess_exec(
+                "qemu-system-x86_64", "--version", stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await process.communicate()
+            self._qemu_version = out.decode().splitlines()[0].removeprefix("QEMU emulator version ").strip()
+        return self._qemu_version
+
+    async def _check_runnable(self, manifest: SnapshotManifest) -> None:
+        """Refuse a snapshot taken under another QEMU build or accelerator."""
+        here = MachineShape(
+            **{**manifest.machine.to_dict(), "qemu_version": await self.qemu_version(), "accel": self.accel}
+        )
+        try:
+            manifest.machine.check_compatible(here)
+        except ValueError as exc:
+            raise EngineError(f"snapshot {manifest.id} cannot run on this node: {exc}") from exc
+
+    def _boot_files(self, manifest: SnapshotManifest) -> BootFiles:
+        shape = manifest.machine
+        return BootFiles(
+            kernel=self.repository.blob_path(shape.kernel_digest),
+            initramfs=self.repository.blob_path(shape.initramfs_digest),
+            tools_image=self.repository.blob_path(shape.tools_digest),
+            cmdline=shape.cmdline,
+        )
+
+    # -- templates -------------------------------------------------------------------------
+
+    async def build_template(
+        self,
+        alias: str | None,
+        *,
+        vcpus: int = 2,
+        memory_mib: int = 512,
+        runtime: RuntimeContext | None = None,
+        metadata: dict[str, str] | None = None,
+        ready_timeout: float = 300.0,
+    ) -> SnapshotManifest:
+        """Boot a fresh guest, run the start command until the ready check passes, commit it."""
+        runtime = runtime or RuntimeContext()
+        started = time.monotonic()
+        staging = self.repository.staging_dir()
+        guest: GuestVM | None = None
+        upper: str | None = None
+        try:
+            boot = BootFiles.from_artifacts(self.artifacts)
+            digests = await asyncio.to_thread(
+                lambda: [self.repository.put_blob(p) for p in (boot.kernel, boot.initramfs, boot.tools_image)]
+            )
+            kernel_digest, initramfs_digest, tools_digest = digests
+            boot = BootFiles(*(self.repository.blob_path(d) for d in digests), cmdline=boot.cmdline)
+            base = self.layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
+            upper = await self.layers.create_upper(base)
+            config = guest_machine(
+                boot, self.layers.path(upper), accel=self.accel, vcpus=vcpus, memory_mib=memory_mib,
+                memory_mode=MemoryMode.SHARED_FILE, memory_path=staging / "memory.img",
+            )  # fmt: skip
+            guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
+            await self._prepare_template(guest, runtime, ready_timeout)
+            await guest.vm.command("stop")
+            await self._save_full_state(guest.vm, staging)
+            await guest.vm.command("quit")
+            await guest.vm.wait(30)
+            await guest.destroy(keep_files=True)
+            guest = None
+            self.layers.seal(upper)
+            manifest = await asyncio.to_thread(
+                self._commit_template, staging, alias, base, upper, runtime, metadata or {},
+                MachineShape(
+                    qemu_version=await self.qemu_version(), machine_type=MACHINE_TYPE, vcpus=vcpus,
+                    memory_mib=memory_mib, accel=self.accel, kernel_digest=kernel_digest,
+                    initramfs_digest=initramfs_digest, tools_digest=tools_digest, cmdline=boot.cmdline,
+                ),
+            )  # fmt: skip
+        except BaseException:
+            if guest is not None:
+                await guest.destroy()
+            if upper is not None:
+                self.layers.remove(upper)
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("template %s (%s) built in %.1f s", manifest.id, alias, time.monotonic() - started)
+        return manifest
+
+    async def _prepare_template(self, guest: GuestVM, runtime: RuntimeContext, timeout: float) -> None:
+        init = GuestInit(runtime.env_vars, default_user=runtime.user, default_workdir=runtime.workdir)
+        await guest.envd.init(init.payload())
+        user = runtime.user or "root"
+        if runtime.start_cmd:
+            await guest.envd.run(runtime.start_cmd, user=user, cwd=runtime.workdir, background=True)
+        if runtime.ready_cmd:
+            deadline = time.monotonic() + timeout
+            while await guest.envd.run(runtime.ready_cmd, user=user, cwd=runtime.workdir, timeout=30) != 0:
+                if time.monotonic() > deadline:
+                    raise EngineError(
+                        f"ready check {runtime.ready_cmd!r} did not pass within {timeout:.0f} s"
+                    )
+                await asyncio.sleep(0.5)
+
+    async def _save_full_state(self, vm: VirtualMachine, staging: Path) -> None:
+        """Migration stream without RAM (it is in the shared file) plus the device sections alone."""
+        await vm.command(
+            "migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}]
+        )
+        await vm.command("migrate", uri=f"file:{staging / 'vmstate'}")
+        while True:
+            status = (await vm.command("query-migrate")).get("status")
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled"):
+                raise EngineError(f"saving the template's state failed ({status})")
+            await asyncio.sleep(0.002)
+        await vm.command("xen-save-devices-state", filename=str(staging / "devices"), live=False)
+
+    def _commit_template(
+        self,
+        staging: Path,
+        alias: str | None,
+        base: str,
+        upper: str,
+        runtime: RuntimeContext,
+        metadata: dict[str, str],
+        shape: MachineShape,
+    ) -> SnapshotManifest:
+        devices = (staging / "devices").read_bytes()
+        prefix = devstate.split_prefix((staging / "vmstate").read_bytes(), devices)
+        memory_image = self.repository.put_blob(staging / "memory.img", move=True)
+        manifest = SnapshotManifest(
+            id=new_snapshot_id(),
+            kind="template",
+            alias=alias,
+            created_at=utc_now(),
+            source={},
+            machine=shape,
+            memory_image=memory_image,
+            memory_deltas=(),
+            device_state=self.repository.put_bytes(devices),
+            vmstate_prefix=self.repository.put_bytes(prefix),
+            disk_layers=(base, upper),
+            runtime=runtime,
+            metadata=metadata,
+            sizes={memory_image: self.repository.blob_path(memory_image).stat().st_size},
+        )
+        self.repository.commit(manifest)
+        return manifest
+
+    # -- start, pause, resume ---------------------------------------------------------------
+
+    def workdir(self, sandbox_id: str) -> Path:
+        return self.sandboxes_dir / sandbox_id
+
+    async def start(self, snapshot: str, sandbox_id: str, init: GuestInit) -> SandboxVM:
+        """Create a sandbox from a template or snapshot (id or alias)."""
+        manifest = self.repository.acquire(snapshot, sandbox_id)
+        try:
+            await self._check_runnable(manifest)
+            top = await self.layers.create_upper(manifest.disk_layers[-1])
+        except BaseException:
+            self.repository.release(manifest.id, sandbox_id)
+            raise
+        state = SandboxState(
+            sandbox_id=sandbox_id,
+            snapshot_id=manifest.id,
+            disk_layers=[*manifest.disk_layers, top],
+            network_name=f"aenv-{sandbox_id}",
+        )
+        try:
+            deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
+            stream = self._template_stream(manifest)
+            return await self._launch(state, manifest, deltas, stream, init)
+        except BaseException:
+            self.layers.remove(top)
+            self.repository.release(manifest.id, sandbox_id)
+            shutil.rmtree(self.workdir(sandbox_id), ignore_errors=True)
+            raise
+
+    def _template_stream(self, manifest: SnapshotManifest) -> Path:
+        """The restorable stream of a snapshot, spliced once and kept in the runtime cache."""
+        path = self.runtime_dir / f"{manifest.id}.vmstate"
+        if not path.exists():
+            prefix = self.repository.blob_path(manifest.vmstate_prefix).read_bytes()
+            devices = self.repository.blob_path(manifest.device_state).read_bytes()
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(devstate.splice(prefix, devices))
+            os.replace(tmp, path)
+        return path
+
+    async def _launch(
+        self,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        deltas: list[Path],
+        stream: Path,
+        init: GuestInit,
+    ) -> SandboxVM:
+        """Spawn QEMU on the memory image, write the delta, load device state, run, init envd."""
+        workdir = self.workdir(state.sandbox_id)
+        workdir.mkdir(parents=True, exist_ok=True)
+        image = self.repository.blob_path(manifest.memory_image)
+        config = guest_machine(
+            self._boot_files(manifest), self.layers.path(state.disk_layers[-1]), accel=self.accel,
+            vcpus=manifest.machine.vcpus, memory_mib=manifest.machine.memory_mib,
+            memory_mode=MemoryMode.PRIVATE_IMAGE, memory_path=image,
+        )  # fmt: skip
+        network = await SandboxNetwork.create(state.network_name)
+        vm: VirtualMachine | None = None
+        try:
+            tap_fd = network.open_tap()
+            try:
+                vm = await VirtualMachine.spawn(config, workdir, tap_fd=tap_fd, incoming=True)
+            finally:
+                os.close(tap_fd)
+            if deltas:
+                start, end = memory.find_mapping(vm.pid, image)
+                await asyncio.to_thread(memory.apply_deltas, vm.pid, start, end, deltas)
+            await self._incoming(vm, stream)
+            guest = GuestVM(
+                vm=vm, network=network, envd=EnvdLink(network, init.access_token), workdir=workdir
+            )
+            await guest.envd.init(init.payload(), timeout=30)
+        except BaseException:
+            if vm is not None:
+                await vm.kill()
+            network.destroy()
+            raise
+        state.paused = False
+        state.save(workdir)
+        return SandboxVM(state=state, guest=guest, manifest=manifest)
+
+    async def _incoming(self, vm: VirtualMachine, stream: Path) -> None:
+        """Load the device state and let the guest run."""
+        await vm.command(
+            "migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}]
+        )
+        await vm.command("migrate-incoming", uri=f"file:{stream}")
+        deadline = time.monotonic() + self.incoming_timeout
+        while (status := (await vm.command("query-status"))["status"]) == "inmigrate":
+            if time.monotonic() > deadline:
+                raise EngineError("loading the device state timed out")
+            await asyncio.sleep(0.001)
+        if status == "paused":
+            await vm.command("cont")
+        elif status != "running":  # QEMU starts the guest by itself once the state is loaded
+            raise EngineError(f"loading the device state failed: QEMU is {status}")
+
+    async def _capture(self, sandbox: SandboxVM, directory: Path, stem: str) -> tuple[Path, Path]:
+        """With the guest stopped: its device state and changed pages, written under `directory`."""
+        devices = directory / f"{stem}.devices"
+        delta = directory / f"{stem}.delta"
+        await sandbox.vm.command("xen-save-devices-state", filename=str(devices), live=False)
+        image = self.repository.blob_path(sandbox.manifest.memory_image)
+        start, end = memory.find_mapping(sandbox.vm.pid, image)
+        await asyncio.to_thread(memory.capture_delta, sandbox.vm.pid, start, end, delta)
+        return devices, delta
+
+    async def pause(self, sandbox: SandboxVM) -> SandboxState:
+        """Save the sandbox to disk and end its QEMU process; `resume` continues it exactly."""
+        workdir = self.workdir(sandbox.sandbox_id)
+        state = sandbox.state
+        await sandbox.vm.command("stop")
+        try:
+            stem = f"pause-{time.time_ns()}"
+            devices, delta = await self._capture(sandbox, workdir, stem)
+        except BaseException:
+            with contextlib.suppress(VMError):
+                await sandbox.vm.command("cont")
+            raise
+        previous = [state.delta, state.devices]
+        state.delta, state.devices, state.paused = str(delta), str(devices), True
+        state.save(workdir)
+        await sandbox.guest.vm.kill()
+        sandbox.guest.network.destroy()
+        for path in previous:
+            if path:
+                Path(path).unlink(missing_ok=True)
+        return state
+
+    async def resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
+        """Continue a paused sandbox from its saved state."""
+        if not state.paused or state.delta is None or state.devices is None:
+            raise EngineError(f"sandbox {state.sandbox_id} is not paused")
+        manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
+        await self._check_runnable(manifest)
+        workdir = self.workdir(state.sandbox_id)
+        stream = workdir / "resume.vmstate"
+        prefix = self.repository.blob_path(manifest.vmstate_prefix).read_bytes()
+        stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
+        return await self._launch(state, manifest, [Path(state.delta)], stream, init)
+
+    def load_state(self, sandbox_id: str) -> SandboxState:
+        return SandboxState.load(self.workdir(sandbox_id))
+
+    async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
+        """End a running or paused sandbox and free everything it owns."""
+        state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
+        if isinstance(sandbox, SandboxVM):
+            await sandbox.guest.destroy(keep_files=True)
+        SandboxNetwork(state.network_name).destroy()
+        self.layers.remove(state.disk_layers[-1])
+        shutil.rmtree(self.workdir(state.sandbox_id), ignore_errors=True)
+        self.repository.release(state.snapshot_id, state.sandbox_id)
+
+    # -- snapshots and forks ---------------------------------------------------------------
+
+    async def snapshot(
+        self,
+        sandbox: SandboxVM,
+        *,
+        alias: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> SnapshotManifest:
+        """Commit a snapshot of a running sandbox; it is stopped only for the capture."""
+        staging = self.repository.staging_dir()
+        state = sandbox.state
+        sealed = state.disk_layers[-1]
+        new_top = None
+        try:
+            await sandbox.vm.command("stop")
+            try:
+                devices, delta = await self._capture(sandbox, staging, "snapshot")
+                new_top = new_layer_id()
+                seal = {
+                    "node-name": sandbox.root_node,
+                    "snapshot-file": str(self.layers.path(new_top)),
+                    "snapshot-node-name": f"n{new_top}",
+                    "format": "qcow2",
+                    "mode": "absolute-paths",
+                }
+                await sandbox.vm.command("blockdev-snapshot-sync", **seal)
+            finally:
+                with contextlib.suppress(VMError):
+                    await sandbox.vm.command("cont")
+            self.layers.seal(sealed)
+            sandbox.root_node = seal["snapshot-node-name"]
+            state.disk_layers.append(new_top)
+            state.save(self.workdir(state.sandbox_id))
+            manifest = await asyncio.to_thread(
+                self._commit_snapshot,
+                sandbox,
+                staging,
+                devices,
+                delta,
+                state.disk_layers[:-1],
+                alias,
+                metadata or {},
+            )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return manifest
+
+    def _commit_snapshot(
+        self,
+        sandbox: SandboxVM,
+        staging: Path,
+        devices: Path,
+        delta: Path,
+        layers: list[str],
+        alias: str | None,
+        metadata: dict[str, str],
+    ) -> SnapshotManifest:
+        origin = sandbox.manifest
+        delta_digest = self.repository.put_blob(delta, move=True)
+        manifest = SnapshotManifest(
+            id=new_snapshot_id(),
+            kind="snapshot",
+            alias=alias,
+            created_at=utc_now(),
+            source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
+            machine=origin.machine,
+            memory_image=origin.memory_image,
+            memory_deltas=(delta_digest,),
+            device_state=self.repository.put_blob(devices, move=True),
+            vmstate_prefix=origin.vmstate_prefix,
+            disk_layers=tuple(layers),
+            runtime=origin.runtime,
+            metadata=metadata,
+            sizes={delta_digest: self.repository.blob_path(delta_digest).stat().st_size},
+        )
+        self.repository.commit(manifest)
+        return manifest
+
+    async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
+        """Start children from the sandbox's current state; the source keeps running.
+
+        The children share one hidden snapshot, deleted as soon as the last of them is gone.
+        """
+        manifest = await self.snapshot(sandbox, metadata={"aenv.fork-of": sandbox.sandbox_id})
+        results = await asyncio.gather(
+            *(self.start(manifest.id, child_id, init) for child_id, init in children), return_exceptions=True
+        )
+        self.repository.delete(manifest.id, defer=True)
+        started = [r for r in results if isinstance(r, SandboxVM)]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for child in started:
+                await self.kill(child)
+            raise EngineError(f"fork failed: {failures[0]}") from failures[0]
+        return started

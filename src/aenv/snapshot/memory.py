@@ -1,0 +1,197 @@
+"""Guest memory as one immutable image plus per-sandbox delta layers.
+
+A clone maps the image privately (copy-on-write), so the pages a sandbox changed are exactly
+the private anonymous pages of that mapping in its QEMU process: `/proc/<pid>/pagemap` tells
+which (present and not file-backed), and `/proc/<pid>/mem` reads them. Resume writes them back
+into a fresh clone of the same image before the guest runs. Pages never changed stay shared
+through the host page cache, which is what makes idle sandboxes cheap.
+
+Delta layer file: a 4 KiB header (magic, page size, page count, memory size), the sorted page
+indices as little-endian uint64, padded to a page boundary, then the pages in index order.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PAGE_SIZE = mmap.PAGESIZE
+_MAGIC = b"AENVDLT1"
+_HEADER = struct.Struct("<8sIQQ")
+_HEADER_SIZE = 4096
+_PRESENT = np.uint64(1 << 63)
+_FILE_OR_SHARED = np.uint64(1 << 61)
+_MAX_RUN_BYTES = 8 << 20
+
+
+class DeltaFormatError(ValueError):
+    """A delta layer file is damaged or was written for another memory size."""
+
+
+def find_mapping(pid: int, mem_path: Path) -> tuple[int, int]:
+    """Address range of the guest RAM mapping of `mem_path` in process `pid`."""
+    target = str(mem_path)
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                return start, end
+    raise LookupError(f"process {pid} has no mapping of {target}")
+
+
+def dirty_pages(pid: int, start: int, end: int) -> np.ndarray:
+    """Indices of pages in [start, end) that are private anonymous, i.e. written by the guest."""
+    count = (end - start) // PAGE_SIZE
+    with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+        raw = os.pread(pagemap.fileno(), count * 8, start // PAGE_SIZE * 8)
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    written = (entries & _PRESENT != 0) & (entries & _FILE_OR_SHARED == 0)
+    return np.flatnonzero(written).astype(np.uint64)
+
+
+def _runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
+    """(first index, length) of each run of consecutive page indices, bounded in size."""
+    if indices.size == 0:
+        return
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [indices.size]))
+    limit = _MAX_RUN_BYTES // PAGE_SIZE
+    for first, last in zip(starts.tolist(), ends.tolist(), strict=True):
+        for offset in range(first, last, limit):
+            yield int(indices[offset]), min(limit, last - offset)
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    pages: int
+    memory_size: int
+    path: Path
+
+
+def _header(pages: int, memory_size: int) -> bytes:
+    return _HEADER.pack(_MAGIC, PAGE_SIZE, pages, memory_size).ljust(_HEADER_SIZE, b"\0")
+
+
+def _index_area(pages: int) -> int:
+    return -(-pages * 8 // PAGE_SIZE) * PAGE_SIZE
+
+
+def capture_delta(pid: int, start: int, end: int, out: Path) -> DeltaInfo:
+    """Write the pages the guest changed into a delta layer file. QEMU must be stopped."""
+    indices = dirty_pages(pid, start, end)
+    memory_size = end - start
+    with open(out, "wb") as f, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        f.write(_header(int(indices.size), memory_size))
+        f.write(indices.astype("<u8").tobytes().ljust(_index_area(int(indices.size)), b"\0"))
+        for first, length in _runs(indices):
+            f.write(os.pread(mem.fileno(), length * PAGE_SIZE, start + first * PAGE_SIZE))
+        f.flush()
+        os.fsync(f.fileno())
+    return DeltaInfo(pages=int(indices.size), memory_size=memory_size, path=out)
+
+
+def read_delta_indices(path: Path) -> tuple[np.ndarray, int]:
+    """The page indices of a delta layer and the memory size it was taken from."""
+    with open(path, "rb") as f:
+        magic, page_size, pages, memory_size = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != _MAGIC or page_size != PAGE_SIZE:
+            raise DeltaFormatError(f"{path} is not a delta layer for {PAGE_SIZE}-byte pages")
+        f.seek(_HEADER_SIZE)
+        indices = np.frombuffer(f.read(pages * 8), dtype="<u8").astype(np.uint64)
+    if indices.size != pages:
+        raise DeltaFormatError(f"{path} is truncated")
+    return indices, memory_size
+
+
+def _check_size(path: Path, memory_size: int, expected: int) -> None:
+    if memory_size != expected:
+        raise DeltaFormatError(f"{path} holds {memory_size} bytes of memory, the guest has {expected}")
+
+
+def _layer_chunks(layer: Path, expected_size: int) -> Iterator[tuple[int, bytes]]:
+    """(byte offset in guest memory, data) for each run of pages in a delta layer."""
+    indices, memory_size = read_delta_indices(layer)
+    _check_size(layer, memory_size, expected_size)
+    position = _HEADER_SIZE + _index_area(int(indices.size))
+    with open(layer, "rb", buffering=0) as f:
+        for first, length in _runs(indices):
+            chunk = os.pread(f.fileno(), length * PAGE_SIZE, position)
+            if len(chunk) != length * PAGE_SIZE:
+                raise DeltaFormatError(f"{layer} is truncated")
+            yield first * PAGE_SIZE, chunk
+            position += len(chunk)
+
+
+def apply_deltas(pid: int, start: int, end: int, layers: Iterable[Path]) -> int:
+    """Write delta layers, oldest first, into a stopped clone's RAM; returns bytes written."""
+    written = 0
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        for layer in layers:
+            for offset, chunk in _layer_chunks(layer, end - start):
+                os.pwrite(mem.fileno(), chunk, start + offset)
+                written += len(chunk)
+    return written
+
+
+def merge_deltas(layers: list[Path], out: Path) -> DeltaInfo:
+    """Fold several delta layers into one; a page from a later layer wins."""
+    if not layers:
+        raise ValueError("nothing to merge")
+    sources: dict[int, tuple[Path, int]] = {}
+    memory_size = None
+    for layer in layers:
+        indices, size = read_delta_indices(layer)
+        if memory_size is None:
+            memory_size = size
+        _check_size(layer, size, memory_size)
+        data_offset = _HEADER_SIZE + _index_area(int(indices.size))
+        for n, index in enumerate(indices.tolist()):
+            sources[index] = (layer, data_offset + n * PAGE_SIZE)
+    assert memory_size is not None
+    ordered = sorted(sources)
+    handles = {layer: open(layer, "rb", buffering=0) for layer in layers}  # noqa: SIM115
+    try:
+        with open(out, "wb") as f:
+            f.write(_header(len(ordered), memory_size))
+            f.write(np.asarray(ordered, dtype="<u8").tobytes().ljust(_index_area(len(ordered)), b"\0"))
+            for index in ordered:
+                layer, offset = sources[index]
+                f.write(os.pread(handles[layer].fileno(), PAGE_SIZE, offset))
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return DeltaInfo(pages=len(ordered), memory_size=memory_size, path=out)
+
+
+def flatten_image(image: Path, layers: list[Path], out: Path) -> None:
+    """A new full memory image: `image` with the delta layers applied, holes kept sparse."""
+    size = image.stat().st_size
+    with open(image, "rb", buffering=0) as src, open(out, "wb") as dst:
+        dst.truncate(size)
+        offset = 0
+        while offset < size:
+            try:
+                data_start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
+            except OSError:
+                break
+            hole = os.lseek(src.fileno(), data_start, os.SEEK_HOLE)
+            position = data_start
+            while position < hole:
+                chunk = os.pread(src.fileno(), min(_MAX_RUN_BYTES, hole - position), position)
+                os.pwrite(dst.fileno(), chunk, position)
+                position += len(chunk)
+            offset = hole
+        for layer in layers:
+            for offset, chunk in _layer_chunks(layer, size):
+                os.pwrite(dst.fileno(), chunk, offset)
+        os.fsync(dst.fileno())

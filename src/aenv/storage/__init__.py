@@ -1,0 +1,1 @@
+"""Disk layers: qcow2 chains shared read-only between sandboxes, one writable layer each."""

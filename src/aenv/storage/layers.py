@@ -1,0 +1,89 @@
+"""qcow2 layer chains for sandbox disks.
+
+A sandbox writes into its own qcow2 layer whose reads fall through to read-only layers below
+(the template's, then the base root filesystem). Layers are created at their final path and
+never move, because every qcow2 layer records the path of the layer below it; sealing a layer
+(when a snapshot captures it) only means nothing writes to it again, so a snapshot of a disk
+costs no copy however much was written. Layer ids are random, lowercase and time-ordered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from pathlib import Path
+
+_ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def new_layer_id() -> str:
+    millis = int(time.time() * 1000)
+    stamp = ""
+    while millis:
+        millis, digit = divmod(millis, 36)
+        stamp = _ID_ALPHABET[digit] + stamp
+    return "l" + stamp + secrets.token_hex(5)
+
+
+class LayerError(RuntimeError):
+    """qemu-img failed, or a layer is missing."""
+
+
+async def _qemu_img(*args: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        "qemu-img", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await process.communicate()
+    if process.returncode != 0:
+        raise LayerError(f"qemu-img {args[0]} failed: {err.decode(errors='replace').strip()}")
+    return out.decode()
+
+
+class LayerStore:
+    """A directory of qcow2 layers named `<id>.qcow2`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, layer_id: str) -> Path:
+        return self.root / f"{layer_id}.qcow2"
+
+    def exists(self, layer_id: str) -> bool:
+        return self.path(layer_id).exists()
+
+    def import_base(self, image: Path, digest: str) -> str:
+        """Adopt a read-only base image (a qcow2 without backing file); the same digest is adopted once."""
+        layer_id = "b" + digest.removeprefix("sha256:")[:40]
+        target = self.path(layer_id)
+        if not target.exists():
+            staging = self.root / f".{layer_id}.{os.getpid()}.tmp"
+            try:
+                os.link(image, staging)
+            except OSError:
+                staging.write_bytes(image.read_bytes())
+            os.replace(staging, target)
+        return layer_id
+
+    async def create_upper(self, below: str) -> str:
+        """A new writable layer on top of layer `below`."""
+        backing = self.path(below)
+        if not backing.exists():
+            raise LayerError(f"disk layer {below} is missing")
+        layer_id = new_layer_id()
+        await _qemu_img(
+            "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(self.path(layer_id))
+        )
+        return layer_id
+
+    def seal(self, layer_id: str) -> None:
+        """Mark a layer read-only: from now on it is shared, never written."""
+        os.chmod(self.path(layer_id), 0o444)
+
+    def remove(self, layer_id: str) -> None:
+        self.path(layer_id).unlink(missing_ok=True)
+
+    def all_ids(self) -> set[str]:
+        return {p.name.removesuffix(".qcow2") for p in self.root.glob("*.qcow2")}
