@@ -24,6 +24,14 @@ T = TypeVar("T")
 class NodeLoop:
     """An asyncio loop in a background thread, for driving async node code from sync tests."""
 
+    @staticmethod
+    async def _cancel_everything() -> None:
+        """End what is still running on the loop (forwarded connections) before it closes."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="node-loop", daemon=True)
@@ -33,6 +41,7 @@ class NodeLoop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
+        self.run(self._cancel_everything(), timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()

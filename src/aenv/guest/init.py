@@ -31,6 +31,7 @@ MNT_DETACH = 0x2
 RB_AUTOBOOT, RB_DISABLE_CAD = 0x01234567, 0
 
 # (source, target, fstype, flags, data): what a Debian userland expects to find mounted.
+# /tmp stays on the root disk, as in E2B sandboxes: it keeps user xattrs and costs no guest RAM.
 MOUNTS = (
     ("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, ""),
     ("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, ""),
@@ -38,7 +39,6 @@ MOUNTS = (
     ("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "gid=5,mode=0620,ptmxmode=0666"),
     ("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"),
     ("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755"),
-    ("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777"),
     ("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, ""),
 )
 DEV_LINKS = {
