@@ -68,6 +68,9 @@ async def forward_port(
     """Listen on host:port (0 picks a free port) and forward each connection to the guest."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _splice(reader, writer, network, guest_port)
+        # A connection task ends quietly when the loop shuts down: nothing awaits it, and
+        # asyncio would otherwise log the cancellation as an error.
+        with contextlib.suppress(asyncio.CancelledError):
+            await _splice(reader, writer, network, guest_port)
 
     return await asyncio.start_server(handle, host, port)

@@ -37,7 +37,7 @@ from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
 from ..vmm.machine import MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
-from .repository import SnapshotRepository
+from .repository import GcReport, SnapshotRepository
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,12 @@ class SandboxVM:
     @property
     def vm(self) -> VirtualMachine:
         return self.guest.vm
+
+
+@dataclass(frozen=True)
+class GarbageReport:
+    removed_layers: tuple[str, ...]
+    blobs: GcReport
 
 
 class EngineError(RuntimeError):
@@ -434,6 +440,27 @@ class SnapshotEngine:
         prefix = self.repository.blob_path(manifest.vmstate_prefix).read_bytes()
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
         return await self._launch(state, manifest, [Path(state.delta)], stream, init)
+
+    def sandbox_states(self) -> list[SandboxState]:
+        """Every sandbox this node has (running or paused), as last saved."""
+        states = []
+        for state_file in self.sandboxes_dir.glob(f"*/{STATE_FILE}"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                states.append(SandboxState.load(state_file.parent))
+        return states
+
+    def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
+        """Remove disk layers and blobs nothing refers to any more (blobs: see `repository.gc`)."""
+        used = {layer for m in self.repository.list() for layer in m.disk_layers}
+        used |= {layer for state in self.sandbox_states() for layer in state.disk_layers}
+        orphans = sorted(self.layers.all_ids() - used)
+        for layer in orphans:
+            self.layers.remove(layer)
+        for stream in self.runtime_dir.glob("*.vmstate"):
+            if not self.repository.is_live(stream.stem):
+                stream.unlink(missing_ok=True)
+        blobs = self.repository.gc(grace_seconds=grace_seconds)
+        return GarbageReport(removed_layers=tuple(orphans), blobs=blobs)
 
     def load_state(self, sandbox_id: str) -> SandboxState:
         return SandboxState.load(self.workdir(sandbox_id))

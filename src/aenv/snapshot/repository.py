@@ -500,6 +500,10 @@ class SnapshotRepository:
                 if (self._deleted / snapshot_id).exists():
                     self._remove(snapshot_id, self.grace_seconds)
 
+    def is_live(self, snapshot_id: str) -> bool:
+        """Whether a snapshot with this id is committed and not deleted."""
+        return bool(SNAPSHOT_ID_RE.fullmatch(snapshot_id)) and self._is_live(snapshot_id)
+
     def leased(self, snapshot_id: str, holder: str) -> SnapshotManifest:
         """The manifest a lease holder runs from, also after a deferred delete hid it from `get`."""
         _check_holder(holder)
