@@ -5,6 +5,11 @@ tap), so a VM restored or forked from a snapshot needs no network reconfiguratio
 namespace, not the address, tells sandboxes apart. The host reaches a guest by creating a
 socket inside the namespace (sockets keep the namespace they were created in), which needs
 no routes or addresses in the host's own namespace.
+
+A namespace may also get an uplink (a slot, see `slots`): a veth pair to the root namespace
+through which the guest's allowed traffic leaves, NATed twice (guest → slot address inside
+the namespace, slot block → host address in the root namespace). Its egress policy is an
+nft table inside the namespace (see `egress`).
 """
 
 from __future__ import annotations
@@ -16,17 +21,19 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from pyroute2 import AsyncIPRoute, netns
+
+from .egress import TAP_NAME, EgressPolicy, enable_forwarding, host_addresses, namespace_ruleset, run_nft
+from .slots import NAMESPACE_VETH, SLOT_PREFIX_LEN, Slot
 
 log = logging.getLogger(__name__)
 
 GUEST_ADDRESS = "169.254.0.21"
 GATEWAY_ADDRESS = "169.254.0.22"
 PREFIX_LEN = 30
-TAP_NAME = "tap0"
 # Every tap has the same MAC: a restored guest keeps the gateway's MAC in its ARP cache.
 GATEWAY_MAC = "02:00:a9:fe:00:16"
 
@@ -35,6 +42,10 @@ _TUNSETIFF = 0x400454CA
 _IFF_TAP = 0x0002
 _IFF_NO_PI = 0x1000
 _IFF_VNET_HDR = 0x4000
+
+_RTM_DELLINK = 17
+_NLM_F_REQUEST_ACK = 0x1 | 0x4
+_NLMSG_ERROR = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -64,15 +75,54 @@ def inside(name: str) -> Iterator[None]:
         os.close(original)
 
 
+def delete_link(ifname: str) -> bool:
+    """Delete a root-namespace link by name with one netlink request; False if it is gone.
+
+    Synchronous on purpose (`SandboxNetwork.destroy` is), and pyroute2's synchronous API
+    cannot run inside an event loop.
+    """
+    try:
+        index = socket.if_nametoindex(ifname)
+    except OSError:
+        return False
+    header_len, ifinfo_len = 16, 16
+    request = struct.pack("=LHHLL", header_len + ifinfo_len, _RTM_DELLINK, _NLM_F_REQUEST_ACK, 1, 0)
+    request += struct.pack("=BxHiII", socket.AF_UNSPEC, 0, index, 0, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sock:
+        sock.sendto(request, (0, 0))
+        reply = sock.recv(4096)
+    _, kind, _, _, _ = struct.unpack_from("=LHHLL", reply)
+    (error,) = struct.unpack_from("=i", reply, header_len) if kind == _NLMSG_ERROR else (0,)
+    if error == -19:  # ENODEV: it went away meanwhile
+        return False
+    if error:
+        raise OSError(-error, f"deleting link {ifname}: {os.strerror(-error)}")
+    return True
+
+
 @dataclass
 class SandboxNetwork:
-    """A namespace holding the tap that one VM's virtio-net device is attached to."""
+    """A namespace holding the tap that one VM's virtio-net device is attached to.
+
+    With a slot it also has an uplink and egress rules; `on_destroy` lets the owner of the
+    slot (a `NetworkPool`) take it back whoever destroys the network.
+    """
 
     name: str
+    slot: Slot | None = None
+    policy: EgressPolicy | None = None
+    on_destroy: Callable[[Slot], None] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    async def create(cls, name: str) -> SandboxNetwork:
-        """Create the namespace, bring up loopback and the tap with the gateway address."""
+    async def create(
+        cls, name: str, slot: Slot | None = None, policy: EgressPolicy | None = None
+    ) -> SandboxNetwork:
+        """Create the namespace, bring up loopback and the tap with the gateway address.
+
+        Without a slot and a policy the namespace has no way out at all (the guest reaches
+        nothing but the node's own connections to it). With a slot and no policy the E2B
+        default applies: internet allowed.
+        """
         netns.create(name)
         network = cls(name)
         try:
@@ -84,11 +134,52 @@ class SandboxNetwork:
                 await ipr.link("set", index=tap, state="up")
                 (lo,) = await ipr.link_lookup(ifname="lo")
                 await ipr.link("set", index=lo, state="up")
+            if slot is not None:
+                await network.attach(slot)
+            if slot is not None or policy is not None:
+                await network.apply_policy(policy or EgressPolicy())
         except BaseException:
             network.destroy()
             raise
         log.debug("network namespace %s ready", name)
         return network
+
+    async def attach(self, slot: Slot) -> None:
+        """Give the namespace its uplink: a veth pair on `slot`, default route to the host.
+
+        The host end carries the namespace's name as its alias, which is how
+        `cleanup_stale` finds the uplinks of namespaces a crashed node left behind.
+        """
+        if self.slot is not None:
+            raise ValueError(f"network {self.name} already has slot {self.slot.index}")
+        try:
+            async with AsyncIPRoute() as ipr:
+                await ipr.link(
+                    "add",
+                    ifname=slot.host_ifname,
+                    kind="veth",
+                    peer={"ifname": NAMESPACE_VETH, "net_ns_fd": self.name},
+                )
+                (host,) = await ipr.link_lookup(ifname=slot.host_ifname)
+                await ipr.link("set", index=host, ifalias=self.name)
+                await ipr.addr("add", index=host, address=slot.host_address, prefixlen=SLOT_PREFIX_LEN)
+                await ipr.link("set", index=host, state="up")
+            async with AsyncIPRoute(netns=self.name) as ipr:
+                (veth,) = await ipr.link_lookup(ifname=NAMESPACE_VETH)
+                await ipr.addr("add", index=veth, address=slot.namespace_address, prefixlen=SLOT_PREFIX_LEN)
+                await ipr.link("set", index=veth, state="up")
+                await ipr.route("add", dst="0.0.0.0/0", gateway=slot.host_address)
+            with inside(self.name):
+                enable_forwarding()
+        except BaseException:
+            delete_link(slot.host_ifname)
+            raise
+        self.slot = slot
+
+    async def apply_policy(self, policy: EgressPolicy) -> None:
+        """Replace the namespace's egress rules by `policy` in one transaction."""
+        await run_nft(namespace_ruleset(policy, await host_addresses()), netns=self.name)
+        self.policy = policy
 
     def open_tap(self) -> int:
         """Open the tap for QEMU (`-netdev tap,fd=N`), so QEMU itself needs no namespace."""
@@ -111,6 +202,15 @@ class SandboxNetwork:
         return sock
 
     def destroy(self) -> None:
-        """Remove the namespace; its tap goes with it. Idempotent."""
+        """Remove the uplink and the namespace (its tap goes with it), free the slot. Idempotent.
+
+        The uplink is deleted explicitly: a socket still open inside the namespace keeps
+        the namespace, and with it the veth pair, alive after its name is removed.
+        """
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            delete_link(slot.host_ifname)
         with contextlib.suppress(FileNotFoundError):
             netns.remove(self.name)
+        if slot is not None and self.on_destroy is not None:
+            self.on_destroy(slot)

@@ -1,0 +1,223 @@
+"""Egress policy of a sandbox and the nftables rules that enforce it.
+
+Two tables, both named `aenv` (family inet):
+
+* inside each sandbox namespace: what the guest may reach. Every packet the guest sends
+  is checked (not only new connections), so a policy change cuts connections it no longer
+  allows at once. Order, as in the reference: always-denied → allowOut → denyOut → base.
+  The namespace itself accepts from the guest only replies to connections the node opened
+  (the node talks to the guest through sockets it creates inside the namespace).
+* in the root namespace, once per host: masquerade of the slot block towards the outside,
+  and a wall between slots and the host (no new connections from a slot to any host
+  address, no forwarding from one slot to another), whatever the host's addresses are.
+
+Rules are replaced by one `nft -f` transaction, so there is never a moment without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pyroute2 import AsyncIPRoute
+
+from .slots import HOST_VETH_PREFIX, NAMESPACE_VETH, SLOT_BLOCK
+
+TABLE = "aenv"
+TAP_NAME = "tap0"
+
+# Never reachable from a guest, whatever its policy says (the slot block keeps sandboxes
+# apart; the host's own addresses are added when rules are generated).
+ALWAYS_DENIED: tuple[ipaddress.IPv4Network, ...] = tuple(
+    ipaddress.IPv4Network(cidr)
+    for cidr in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, and the limited broadcast address
+        str(SLOT_BLOCK),
+    )
+)
+
+DOMAINS_UNSUPPORTED = "domain entries in allowOut are not supported until TCP egress proxy is enabled"
+_DOMAIN = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.?$")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class NetworkError(RuntimeError):
+    """Setting up a sandbox network or its rules failed."""
+
+
+def _parse(entry: str) -> Network | None:
+    """An IP address (as a single-address network) or CIDR, normalized; None if neither."""
+    try:
+        return ipaddress.ip_network(entry.strip(), strict=False)
+    except ValueError:
+        return None
+
+
+def _is_domain(entry: str) -> bool:
+    """`example.com`, `*.example.com` or `*`; a numeric last label is a broken IP, not a name."""
+    name = entry.strip().lower()
+    if name == "*":
+        return True
+    return bool(_DOMAIN.match(name)) and not name.rstrip(".").rsplit(".", 1)[-1].isdigit()
+
+
+def _normalize(entries: Iterable[str], kind: str) -> tuple[str, ...]:
+    result: list[str] = []
+    for entry in entries:
+        network = _parse(entry)
+        if network is None:
+            if kind == "allowOut" and _is_domain(entry):
+                raise ValueError(DOMAINS_UNSUPPORTED)
+            raise ValueError(f'{kind} entry "{entry}" must be an IP address or CIDR block')
+        if str(network) not in result:
+            result.append(str(network))
+    return tuple(result)
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """E2B egress semantics: allowOut beats denyOut beats the base policy.
+
+    `allow_internet=False` is the same as `deny_out=["0.0.0.0/0"]`; `allow_out` alone does
+    not make an allowlist. Entries are normalized (bare IP → /32, host bits cleared,
+    duplicates dropped), so equal policies compare equal. IPv6 entries are accepted and
+    vacuous: guests have no IPv6 connectivity at all.
+    """
+
+    allow_internet: bool = True
+    allow_out: tuple[str, ...] = field(default=())
+    deny_out: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allow_out", _normalize(self.allow_out, "allowOut"))
+        object.__setattr__(self, "deny_out", _normalize(self.deny_out, "denyOut"))
+
+
+def _ipv4(entries: Iterable[str]) -> list[str]:
+    return [e for e in entries if isinstance(ipaddress.ip_network(e), ipaddress.IPv4Network)]
+
+
+def _set(name: str, elements: Iterable[str]) -> str:
+    body = "type ipv4_addr; flags interval; auto-merge;"
+    listed = ", ".join(elements)
+    if listed:
+        body += f" elements = {{ {listed} }};"
+    return f"    set {name} {{ {body} }}"
+
+
+def _replace_table(body: list[str]) -> str:
+    """A script that swaps the whole table in one transaction (the empty declaration makes
+    the delete valid when the table does not exist yet)."""
+    head = [f"table inet {TABLE}", f"delete table inet {TABLE}", f"table inet {TABLE} {{"]
+    return "\n".join([*head, *body, "}", ""])
+
+
+def namespace_ruleset(policy: EgressPolicy, host_addresses: Iterable[str] = ()) -> str:
+    """The nft script for a sandbox namespace under `policy`."""
+    denied = [str(n) for n in ALWAYS_DENIED] + _ipv4(str(ipaddress.ip_network(a)) for a in host_addresses)
+    reject = "reject with icmpx type admin-prohibited"
+    base = "accept" if policy.allow_internet else reject
+    return _replace_table(
+        [
+            _set("always_denied", denied),
+            _set("allow_out", _ipv4(policy.allow_out)),
+            _set("deny_out", _ipv4(policy.deny_out)),
+            "    chain input {",
+            "        type filter hook input priority filter; policy accept;",
+            f'        iifname "{TAP_NAME}" ct state established,related accept',
+            f'        iifname "{TAP_NAME}" drop',
+            "    }",
+            "    chain forward {",
+            "        type filter hook forward priority filter; policy drop;",
+            f'        iifname "{TAP_NAME}" oifname "{NAMESPACE_VETH}" meta nfproto ipv4 goto egress',
+            f'        iifname "{NAMESPACE_VETH}" oifname "{TAP_NAME}" ct state established,related accept',
+            "    }",
+            "    chain egress {",
+            f"        ip daddr @always_denied {reject}",
+            "        ip daddr @allow_out accept",
+            f"        ip daddr @deny_out {reject}",
+            f"        {base}",
+            "    }",
+            "    chain postrouting {",
+            "        type nat hook postrouting priority srcnat; policy accept;",
+            f'        oifname "{NAMESPACE_VETH}" masquerade',
+            "    }",
+        ]
+    )
+
+
+def host_ruleset() -> str:
+    """The nft script for the root namespace: NAT for the slot block, slots walled off."""
+    slots = f'"{HOST_VETH_PREFIX}*"'
+    return _replace_table(
+        [
+            "    chain input {",
+            "        type filter hook input priority filter; policy accept;",
+            f"        iifname {slots} ct state established,related accept",
+            f"        iifname {slots} drop",
+            "    }",
+            "    chain forward {",
+            "        type filter hook forward priority filter; policy accept;",
+            f"        iifname {slots} oifname {slots} drop",
+            f"        iifname {slots} ip saddr != {SLOT_BLOCK} drop",
+            f"        iifname {slots} meta nfproto ipv6 drop",
+            "    }",
+            "    chain postrouting {",
+            "        type nat hook postrouting priority srcnat; policy accept;",
+            f"        ip saddr {SLOT_BLOCK} oifname != {slots} masquerade",
+            "    }",
+        ]
+    )
+
+
+async def run_nft(script: str, netns: str | None = None) -> None:
+    """Load an nft script, inside namespace `netns` when given (entered by nsenter)."""
+    argv = ["nft", "-f", "-"]
+    if netns is not None:
+        argv = ["nsenter", f"--net=/run/netns/{netns}", *argv]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await proc.communicate(script.encode())
+    if proc.returncode != 0:
+        where = f"namespace {netns}" if netns else "root namespace"
+        raise NetworkError(f"nft failed in {where}: {stderr.decode().strip()}")
+
+
+async def host_addresses() -> list[str]:
+    """The root namespace's IPv4 addresses, which no guest may reach."""
+    async with AsyncIPRoute() as ipr:
+        return [msg.get("IFA_ADDRESS") async for msg in await ipr.addr("dump", family=2)]
+
+
+def _write_sysctl(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def enable_forwarding() -> None:
+    """IPv4 forwarding in the calling thread's current namespace."""
+    _write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+
+
+async def ensure_host_rules() -> None:
+    """Install (or refresh) the root namespace's table and turn on forwarding. Idempotent."""
+    await run_nft(host_ruleset())
+    enable_forwarding()
+
+
+async def remove_host_rules() -> None:
+    """Drop the root namespace's table (forwarding stays on: other software may rely on it)."""
+    await run_nft(f"table inet {TABLE}\ndelete table inet {TABLE}\n")
