@@ -67,7 +67,8 @@ def test_boot_to_envd_and_clean_shutdown(tmp_path: Path, guest_tools: Path) -> N
     assert code == 0, log
     assert "aenv-initramfs: root /dev/vdb, tools /dev/vda" in log
     assert "envd started" in log
-    assert "FAKE-ENVD ['--port', '49983'] ['1000', 'sudo-ok', 'ro,noatime', 'boot-test']" in log
+    envd_args = "['--port', '49983', '--host-peer', '169.254.0.22']"
+    assert f"FAKE-ENVD {envd_args} ['1000', 'sudo-ok', 'ro,noatime', 'boot-test']" in log
     assert "shutting down (SIGTERM)" in log
     assert log.index("shutting down") < log.index("reboot")
     assert "Kernel panic" not in log, log

@@ -248,3 +248,25 @@ def test_garbage_is_collected(base_template, engine, sandboxes):
     for layer in base_template.disk_layers:
         assert engine.layers.exists(layer)
     assert engine.repository.has_blob(base_template.memory_image)
+
+
+def test_warm_pool_hands_out_restored_guests(base_template, engine, sandboxes):
+    node = sandboxes.node
+    node.run(engine.pool.set_target(base_template.id, 2))
+    try:
+        node.run(engine.pool.wait_filled(base_template.id))
+        assert engine.pool.ready(base_template.id) == 2
+        first, second = sandboxes.start(base_template.id), sandboxes.start(base_template.id)
+        for sandbox in (first, second):
+            sdk = sandbox.sdk()
+            assert sdk.commands.run("cat /proc/sys/kernel/random/boot_id").exit_code == 0
+            sdk.files.write("/home/user/who", sandbox.sandbox_id)
+        assert first.sdk().files.read("/home/user/who") == first.sandbox_id
+        # Each got its own token: the other's is refused.
+        assert first.access_token != second.access_token
+        holders = engine.repository.holders(base_template.id)
+        assert first.sandbox_id in holders and second.sandbox_id in holders
+    finally:
+        node.run(engine.pool.drain(base_template.id))
+    assert engine.pool.ready(base_template.id) == 0
+    assert not [h for h in engine.repository.holders(base_template.id) if h.startswith("w")]

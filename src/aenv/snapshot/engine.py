@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ from ..vmm.machine import MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .repository import GcReport, SnapshotRepository
+from .warm_pool import WarmPool, WarmVM
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +145,14 @@ class SnapshotEngine:
         self.sandboxes_dir = home / "sandboxes"
         self.runtime_dir = home / "runtime"
         self.incoming_timeout = incoming_timeout
+        self.pool = WarmPool(self._spawn_warm, self._discard_warm)
         self._qemu_version: str | None = None
         for directory in (self.sandboxes_dir, self.runtime_dir):
             directory.mkdir(parents=True, exist_ok=True)
+
+    async def close(self) -> None:
+        """End the warm VMs; sandboxes are left as they are (the caller pauses or kills them)."""
+        await self.pool.close()
 
     # -- machine identity ------------------------------------------------------------------
 
@@ -304,29 +311,77 @@ class SnapshotEngine:
         return self.sandboxes_dir / sandbox_id
 
     async def start(self, snapshot: str, sandbox_id: str, init: GuestInit) -> SandboxVM:
-        """Create a sandbox from a template or snapshot (id or alias)."""
+        """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
         manifest = self.repository.acquire(snapshot, sandbox_id)
+        warm = self.pool.take(manifest.id)
         try:
             await self._check_runnable(manifest)
-            top = await self.layers.create_upper(manifest.disk_layers[-1])
+            top = warm.top_layer if warm else await self.layers.create_upper(manifest.disk_layers[-1])
         except BaseException:
+            if warm is not None:
+                await self._discard_warm(warm)
             self.repository.release(manifest.id, sandbox_id)
             raise
         state = SandboxState(
             sandbox_id=sandbox_id,
             snapshot_id=manifest.id,
             disk_layers=[*manifest.disk_layers, top],
-            network_name=f"aenv-{sandbox_id}",
+            network_name=warm.network.name if warm else f"aenv-{sandbox_id}",
         )
         try:
-            deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
-            stream = self._template_stream(manifest)
-            return await self._launch(state, manifest, deltas, stream, init)
+            if warm is None:
+                deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
+                return await self._launch(state, manifest, deltas, self._template_stream(manifest), init)
+            workdir = self.workdir(sandbox_id)
+            warm.workdir.rename(workdir)
+            warm.vm.workdir = workdir
+            self.repository.release(manifest.id, warm.entry_id)
+            return await self._identify(state, manifest, warm.vm, warm.network, init)
         except BaseException:
             self.layers.remove(top)
             self.repository.release(manifest.id, sandbox_id)
             shutil.rmtree(self.workdir(sandbox_id), ignore_errors=True)
             raise
+
+    async def _spawn_warm(self, snapshot_id: str) -> WarmVM:
+        """A restored, running guest for the pool that has no identity yet.
+
+        It holds a lease on its snapshot like a sandbox would. Its envd has answered once, so the
+        code paths of the first request are already warm (under TCG: translated); taking it
+        costs one `/init` that gives it the sandbox's token, variables, clock and entropy.
+        """
+        entry_id = "w" + secrets.token_hex(6)
+        manifest = self.repository.acquire(snapshot_id, entry_id)
+        workdir = self.runtime_dir / "warm" / entry_id
+        top: str | None = None
+        network: SandboxNetwork | None = None
+        vm: VirtualMachine | None = None
+        try:
+            await self._check_runnable(manifest)
+            top = await self.layers.create_upper(manifest.disk_layers[-1])
+            network = await SandboxNetwork.create(f"aenv-{entry_id}")
+            vm = await self._spawn_clone(manifest, top, workdir, network)
+            deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
+            await self._load(vm, manifest, deltas, self._template_stream(manifest))
+            await EnvdLink(network).init(GuestInit().payload(), timeout=60)
+        except BaseException:
+            if vm is not None:
+                await vm.kill()
+            if network is not None:
+                network.destroy()
+            if top is not None:
+                self.layers.remove(top)
+            shutil.rmtree(workdir, ignore_errors=True)
+            self.repository.release(snapshot_id, entry_id)
+            raise
+        return WarmVM(entry_id, manifest.id, vm, network, top, workdir)
+
+    async def _discard_warm(self, warm: WarmVM) -> None:
+        await warm.vm.kill()
+        warm.network.destroy()
+        self.layers.remove(warm.top_layer)
+        shutil.rmtree(warm.workdir, ignore_errors=True)
+        self.repository.release(warm.snapshot_id, warm.entry_id)
 
     def _template_stream(self, manifest: SnapshotManifest) -> Path:
         """The restorable stream of a snapshot, spliced once and kept in the runtime cache."""
@@ -339,6 +394,30 @@ class SnapshotEngine:
             os.replace(tmp, path)
         return path
 
+    async def _spawn_clone(
+        self, manifest: SnapshotManifest, top_layer: str, workdir: Path, network: SandboxNetwork
+    ) -> VirtualMachine:
+        """QEMU on the snapshot's memory image and this disk layer, waiting for incoming state."""
+        image = self.repository.blob_path(manifest.memory_image)
+        config = guest_machine(
+            self._boot_files(manifest), self.layers.path(top_layer), accel=self.accel,
+            vcpus=manifest.machine.vcpus, memory_mib=manifest.machine.memory_mib,
+            memory_mode=MemoryMode.PRIVATE_IMAGE, memory_path=image,
+        )  # fmt: skip
+        tap_fd = network.open_tap()
+        try:
+            vm = await VirtualMachine.spawn(config, workdir, tap_fd=tap_fd, incoming=True)
+        finally:
+            os.close(tap_fd)
+        try:
+            await vm.command(
+                "migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}]
+            )
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
     async def _launch(
         self,
         state: SandboxState,
@@ -347,45 +426,68 @@ class SnapshotEngine:
         stream: Path,
         init: GuestInit,
     ) -> SandboxVM:
-        """Spawn QEMU on the memory image, write the delta, load device state, run, init envd."""
+        """Spawn QEMU for the sandbox and restore it (the path without a warm VM)."""
         workdir = self.workdir(state.sandbox_id)
-        workdir.mkdir(parents=True, exist_ok=True)
-        image = self.repository.blob_path(manifest.memory_image)
-        config = guest_machine(
-            self._boot_files(manifest), self.layers.path(state.disk_layers[-1]), accel=self.accel,
-            vcpus=manifest.machine.vcpus, memory_mib=manifest.machine.memory_mib,
-            memory_mode=MemoryMode.PRIVATE_IMAGE, memory_path=image,
-        )  # fmt: skip
         network = await SandboxNetwork.create(state.network_name)
-        vm: VirtualMachine | None = None
         try:
-            tap_fd = network.open_tap()
-            try:
-                vm = await VirtualMachine.spawn(config, workdir, tap_fd=tap_fd, incoming=True)
-            finally:
-                os.close(tap_fd)
-            if deltas:
-                start, end = memory.find_mapping(vm.pid, image)
-                await asyncio.to_thread(memory.apply_deltas, vm.pid, start, end, deltas)
-            await self._incoming(vm, stream)
-            guest = GuestVM(
-                vm=vm, network=network, envd=EnvdLink(network, init.access_token), workdir=workdir
-            )
-            await guest.envd.init(init.payload(), timeout=30)
+            vm = await self._spawn_clone(manifest, state.disk_layers[-1], workdir, network)
         except BaseException:
-            if vm is not None:
-                await vm.kill()
+            network.destroy()
+            raise
+        return await self._restore(state, manifest, vm, network, deltas, stream, init)
+
+    async def _restore(
+        self,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        vm: VirtualMachine,
+        network: SandboxNetwork,
+        deltas: list[Path],
+        stream: Path,
+        init: GuestInit,
+    ) -> SandboxVM:
+        """Load a waiting QEMU with the sandbox's state, then give envd its identity."""
+        try:
+            await self._load(vm, manifest, deltas, stream)
+        except BaseException:
+            await vm.kill()
+            network.destroy()
+            raise
+        return await self._identify(state, manifest, vm, network, init)
+
+    async def _load(
+        self, vm: VirtualMachine, manifest: SnapshotManifest, deltas: list[Path], stream: Path
+    ) -> None:
+        """Write the changed pages into the waiting QEMU, load the device state, let the guest run."""
+        if deltas:
+            image = self.repository.blob_path(manifest.memory_image)
+            start, end = memory.find_mapping(vm.pid, image)
+            await asyncio.to_thread(memory.apply_deltas, vm.pid, start, end, deltas)
+        await self._incoming(vm, stream)
+
+    async def _identify(
+        self,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        vm: VirtualMachine,
+        network: SandboxNetwork,
+        init: GuestInit,
+    ) -> SandboxVM:
+        """`/init` a running guest as this sandbox (token, variables, clock, entropy) and record it."""
+        envd = EnvdLink(network, init.access_token)
+        try:
+            await envd.init(init.payload(), timeout=30)
+        except BaseException:
+            await vm.kill()
             network.destroy()
             raise
         state.paused = False
-        state.save(workdir)
+        state.save(vm.workdir)
+        guest = GuestVM(vm=vm, network=network, envd=envd, workdir=vm.workdir)
         return SandboxVM(state=state, guest=guest, manifest=manifest)
 
     async def _incoming(self, vm: VirtualMachine, stream: Path) -> None:
         """Load the device state and let the guest run."""
-        await vm.command(
-            "migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}]
-        )
         await vm.command("migrate-incoming", uri=f"file:{stream}")
         deadline = time.monotonic() + self.incoming_timeout
         while (status := (await vm.command("query-status"))["status"]) == "inmigrate":

@@ -1,0 +1,109 @@
+"""Guests restored ahead of time from a snapshot, waiting to become sandboxes.
+
+Spawning QEMU and the guest's first steps after a restore are most of what creating a sandbox
+costs (under TCG, every new QEMU also translates the guest's code afresh), and none of it
+depends on the sandbox: a guest restored from the snapshot on a fresh disk layer and network
+namespace becomes a sandbox with one `/init`. The pool keeps a target number of them per
+snapshot and refills in the background after each one is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..network.netns import SandboxNetwork
+from ..vmm.machine import VirtualMachine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmVM:
+    """A guest restored from `snapshot_id` with its own disk layer and namespace, no identity yet."""
+
+    entry_id: str
+    snapshot_id: str
+    vm: VirtualMachine
+    network: SandboxNetwork
+    top_layer: str
+    workdir: Path
+
+
+class WarmPool:
+    """Per-snapshot sets of warm VMs; `spawn` makes one, `discard` undoes one."""
+
+    def __init__(
+        self,
+        spawn: Callable[[str], Awaitable[WarmVM]],
+        discard: Callable[[WarmVM], Awaitable[None]],
+    ):
+        self._spawn = spawn
+        self._discard = discard
+        self._targets: dict[str, int] = {}
+        self._ready: dict[str, list[WarmVM]] = {}
+        self._refills: dict[str, asyncio.Task[None]] = {}
+
+    def target(self, snapshot_id: str) -> int:
+        return self._targets.get(snapshot_id, 0)
+
+    def ready(self, snapshot_id: str) -> int:
+        return len(self._ready.get(snapshot_id, ()))
+
+    async def set_target(self, snapshot_id: str, size: int) -> None:
+        """Keep `size` warm VMs for the snapshot (0 drains it)."""
+        self._targets[snapshot_id] = max(0, size)
+        ready = self._ready.setdefault(snapshot_id, [])
+        while len(ready) > self._targets[snapshot_id]:
+            await self._discard(ready.pop())
+        self._kick(snapshot_id)
+
+    def take(self, snapshot_id: str) -> WarmVM | None:
+        """A warm VM for the snapshot, if one is ready; a refill starts in the background."""
+        ready = self._ready.get(snapshot_id)
+        warm = ready.pop() if ready else None
+        self._kick(snapshot_id)
+        return warm
+
+    async def wait_filled(self, snapshot_id: str) -> None:
+        """Until the snapshot's refill (if any) has finished."""
+        task = self._refills.get(snapshot_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _kick(self, snapshot_id: str) -> None:
+        running = self._refills.get(snapshot_id)
+        if self.target(snapshot_id) > self.ready(snapshot_id) and (running is None or running.done()):
+            self._refills[snapshot_id] = asyncio.create_task(self._refill(snapshot_id))
+
+    async def _refill(self, snapshot_id: str) -> None:
+        ready = self._ready.setdefault(snapshot_id, [])
+        while len(ready) < self.target(snapshot_id):
+            try:
+                warm = await self._spawn(snapshot_id)
+            except Exception as exc:  # a broken snapshot must not take the node down
+                log.warning("warm pool for %s stopped refilling: %s", snapshot_id, exc)
+                return
+            if len(ready) < self.target(snapshot_id):
+                ready.append(warm)
+            else:
+                await self._discard(warm)
+
+    async def drain(self, snapshot_id: str) -> None:
+        """Stop keeping VMs for the snapshot and discard the ones ready."""
+        await self.set_target(snapshot_id, 0)
+        task = self._refills.pop(snapshot_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for warm in self._ready.pop(snapshot_id, []):
+            await self._discard(warm)
+
+    async def close(self) -> None:
+        for snapshot_id in list({*self._targets, *self._ready}):
+            await self.drain(snapshot_id)
