@@ -1,8 +1,10 @@
 """One QEMU `microvm` process: its command line, its QMP monitor and its lifetime.
 
-QEMU gets the tap and the QMP socket as inherited file descriptors, so it needs neither a
-network namespace of its own nor a socket path to connect to, and no polling for a socket
-to appear is needed after spawn.
+QEMU gets the tap and its main QMP socket as inherited file descriptors, so it needs no
+network namespace of its own and no polling for a socket to appear after spawn. It runs in a
+session of its own and outlives the node process; a second monitor on a socket in its
+directory lets a restarted node adopt it. Exit is watched through a pidfd, which works the same
+for processes this node spawned and for adopted ones.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,11 @@ from .accel import Accelerator
 log = logging.getLogger(__name__)
 
 QEMU_BINARY = os.environ.get("AENV_QEMU", "qemu-system-x86_64")
+SERIAL_LOG = "serial.log"
+RECOVERY_SOCKET = "qmp.sock"
+# File descriptor numbers QEMU finds its inherited sockets at.
+_QMP_FD = 3
+_TAP_FD = 4
 TCG_TRANSLATION_CACHE_MIB = 64
 
 
@@ -63,7 +70,7 @@ class MachineConfig:
     balloon: bool = True
     mac: str = "02:00:a9:fe:00:15"
 
-    def argv(self, *, tap_fd: int | None, qmp_fd: int, serial_log: Path, incoming: bool) -> list[str]:
+    def argv(self, *, tap_fd: int | None, qmp_fd: int, workdir: Path, incoming: bool) -> list[str]:
         """The QEMU command line for this machine."""
         cpu = "host" if self.accel == "kvm" else "max"
         accel = "kvm" if self.accel == "kvm" else f"tcg,tb-size={TCG_TRANSLATION_CACHE_MIB}"
@@ -79,10 +86,12 @@ class MachineConfig:
             "-kernel", str(self.kernel),
             "-initrd", str(self.initramfs),
             "-append", self.cmdline,
-            "-chardev", f"file,id=serial,path={serial_log},append=on",
+            "-chardev", f"file,id=serial,path={workdir / SERIAL_LOG},append=on",
             "-serial", "chardev:serial",
             "-chardev", f"socket,id=qmp,fd={qmp_fd}",
             "-mon", "chardev=qmp,mode=control",
+            "-chardev", f"socket,id=recovery,path={workdir / RECOVERY_SOCKET},server=on,wait=off",
+            "-mon", "chardev=recovery,mode=control",
         ]  # fmt: skip
         for drive in self.drives:
             options = (
@@ -117,16 +126,60 @@ class VMError(RuntimeError):
     """QEMU failed to start, or a monitor command failed."""
 
 
+class QemuProcess:
+    """A QEMU process watched through a pidfd; reaped here when this node spawned it."""
+
+    def __init__(self, pid: int, *, child: bool):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._child = child
+        self._pidfd = os.pidfd_open(pid)
+        self._loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = self._loop.create_future()
+        self._loop.add_reader(self._pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        code = -1  # an adopted process's status belongs to its parent
+        if self._child:
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(self.pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+        os.close(self._pidfd)
+        self.returncode = code
+        self._exited.set_result(code)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
+def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> int:
+    """posix_spawn QEMU in a new session with only the descriptors it needs."""
+    log_path = str(workdir / "qemu.log")
+    actions: list[tuple[Any, ...]] = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+        (os.POSIX_SPAWN_DUP2, 1, 2),
+        (os.POSIX_SPAWN_DUP2, qmp_fd, _QMP_FD),
+    ]
+    if tap_fd is not None:
+        actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
+    return os.posix_spawnp(argv[0], argv, dict(os.environ), file_actions=actions, setsid=True)
+
+
 @dataclass
 class VirtualMachine:
-    """A running QEMU process and its monitor. Create with `VirtualMachine.spawn`."""
+    """A running QEMU process and its monitor. Create with `spawn`, or `adopt` after a restart."""
 
     config: MachineConfig
     workdir: Path
-    process: asyncio.subprocess.Process
+    process: QemuProcess
     qmp: QMPClient
-    spawned_at: float
-    _exit_waiter: asyncio.Task[int] | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -134,7 +187,7 @@ class VirtualMachine:
 
     @property
     def serial_log(self) -> Path:
-        return self.workdir / "serial.log"
+        return self.workdir / SERIAL_LOG
 
     @classmethod
     async def spawn(
@@ -144,28 +197,33 @@ class VirtualMachine:
         workdir.mkdir(parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = config.argv(
-            tap_fd=tap_fd, qmp_fd=theirs.fileno(), serial_log=workdir / "serial.log", incoming=incoming
+            tap_fd=_TAP_FD if tap_fd is not None else None, qmp_fd=_QMP_FD, workdir=workdir, incoming=incoming
         )
-        pass_fds = [theirs.fileno()] + ([tap_fd] if tap_fd is not None else [])
         started = time.monotonic()
-        with open(workdir / "qemu.log", "ab") as qemu_log:
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=qemu_log, stderr=qemu_log,
-                    pass_fds=pass_fds, start_new_session=True,
-                )  # fmt: skip
-            finally:
-                theirs.close()
+        try:
+            process = QemuProcess(_spawn(argv, workdir, theirs.fileno(), tap_fd), child=True)
+        finally:
+            theirs.close()
         qmp = QMPClient(f"vm-{process.pid}")
         try:
             await qmp.connect(ours)
         except Exception as exc:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            process.kill()
             await process.wait()
             raise VMError(f"QEMU exited at start: {cls._tail(workdir / 'qemu.log')}") from exc
         log.debug("QEMU %d spawned in %.1f ms", process.pid, 1000 * (time.monotonic() - started))
-        return cls(config=config, workdir=workdir, process=process, qmp=qmp, spawned_at=started)
+        return cls(config=config, workdir=workdir, process=process, qmp=qmp)
+
+    @classmethod
+    async def adopt(cls, config: MachineConfig, workdir: Path, pid: int) -> VirtualMachine:
+        """Take over a QEMU that a previous node process started, through its recovery monitor."""
+        process = QemuProcess(pid, child=False)
+        qmp = QMPClient(f"vm-{pid}")
+        try:
+            await qmp.connect(str(workdir / RECOVERY_SOCKET))
+        except Exception as exc:
+            raise VMError(f"cannot adopt QEMU {pid}: {exc}") from exc
+        return cls(config=config, workdir=workdir, process=process, qmp=qmp)
 
     async def command(self, name: str, **arguments: Any) -> Any:
         """Run one QMP command and return its result."""
@@ -185,10 +243,8 @@ class VirtualMachine:
         """Stop QEMU at once and release the monitor. Idempotent."""
         with contextlib.suppress(Exception):
             await self.qmp.disconnect()
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
+        self.process.kill()
+        await self.process.wait()
 
     @staticmethod
     def _tail(path: Path, limit: int = 2000) -> str:
