@@ -1,0 +1,1 @@
+"""Benchmark harness: figures measured on real VMs, printed as a table and written as JSON."""
