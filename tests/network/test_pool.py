@@ -13,7 +13,7 @@ import pytest_asyncio
 from aenv.network.egress import EgressPolicy
 from aenv.network.netns import SandboxNetwork, inside
 from aenv.network.pool import NetworkPool, cleanup_stale
-from aenv.network.slots import SlotAllocator
+from aenv.network.slots import Slot, SlotAllocator
 
 from .conftest import TEST_SLOTS, namespaces, root_links, sh, table_exists
 
@@ -112,3 +112,25 @@ async def test_cleanup_stale_removes_what_a_crashed_node_left(pool: NetworkPool)
         assert orphan.slot.host_ifname not in root_links()
     finally:
         holder.close()
+
+
+async def test_a_restarted_node_keeps_the_networks_of_surviving_sandboxes():
+    prefix = f"aenvtest-{secrets.token_hex(3)}-"
+    first = TEST_SLOTS[0]
+    survivor = await SandboxNetwork.create(f"{prefix}{first}", Slot(first))
+    dead = await SandboxNetwork.create(f"{prefix}{first + 1}", Slot(first + 1))
+    pool = NetworkPool(1, prefix=prefix, slots=SlotAllocator(*TEST_SLOTS))
+    try:
+        adopted = await pool.start(keep=[survivor.name])
+        assert list(adopted) == [survivor.name] and adopted[survivor.name].slot == Slot(first)
+        assert dead.name not in namespaces() and Slot(first + 1).host_ifname not in root_links()
+        await pool.wait_filled()
+        assert pool._idle[0].slot not in (Slot(first), None)  # the survivor's slot stays taken
+        adopted[survivor.name].destroy()
+        assert survivor.name not in namespaces() and not pool.leased
+    finally:
+        await pool.close()
+        for network in (survivor, dead):
+            network.destroy()
+        await cleanup_stale(prefix)
+    assert not leftovers(prefix)

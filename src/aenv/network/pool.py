@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 from pyroute2 import AsyncIPRoute, netns
 
@@ -24,16 +25,17 @@ log = logging.getLogger(__name__)
 POOL_PREFIX = "aenv-slot-"
 
 
-async def cleanup_stale(prefix: str = POOL_PREFIX) -> list[str]:
-    """Remove namespaces named `<prefix>…` and uplinks left without their namespace.
+async def cleanup_stale(prefix: str = POOL_PREFIX, keep: Iterable[str] = ()) -> list[str]:
+    """Remove namespaces named `<prefix>…` (but those in `keep`) and uplinks left without one.
 
-    For a node starting after a crash: nothing else may use the prefix on this host. An
-    uplink's alias names its namespace; uplinks of namespaces that no longer exist are
-    orphans whoever made them (e.g. uplinks `attach`ed to a namespace named by the engine).
+    For a node starting after a crash: nothing else may use the prefix on this host, and
+    `keep` names the networks of sandboxes that survived it. An uplink's alias names its
+    namespace; uplinks of namespaces that no longer exist are orphans whoever made them
+    (e.g. uplinks `attach`ed to a namespace named by the engine).
     Returns the names of the namespaces whose remains were removed.
     """
     existing = set(netns.listnetns())
-    removed = {name for name in existing if name.startswith(prefix)}
+    removed = {name for name in existing if name.startswith(prefix)} - set(keep)
     for name in removed:
         with contextlib.suppress(FileNotFoundError):
             netns.remove(name)
@@ -75,14 +77,29 @@ class NetworkPool:
         self._filler: asyncio.Task[None] | None = None
         self._closed = False
 
-    async def start(self) -> None:
-        """Clear what a crashed predecessor left, install the host rules, begin filling."""
-        stale = await cleanup_stale(self.prefix)
+    async def start(self, keep: Iterable[str] = ()) -> dict[str, SandboxNetwork]:
+        """Clear what a crashed predecessor left, install the host rules, begin filling.
+
+        `keep` names networks of this pool that sandboxes which outlived the previous node
+        process still use: they are adopted (returned by name, slot reserved, leased) with
+        an unknown policy, which the caller should apply again.
+        """
+        keep = set(keep)
+        stale = await cleanup_stale(self.prefix, keep)
         if stale:
             log.warning("removed %d stale sandbox networks: %s", len(stale), ", ".join(stale))
+        adopted = {}
+        for name in sorted(keep & set(netns.listnetns())):
+            suffix = name.removeprefix(self.prefix)
+            if name == suffix or not suffix.isdigit():
+                continue
+            network = SandboxNetwork(name, self._slots.reserve(int(suffix)), None, self._returned)
+            self._leased[int(suffix)] = network
+            adopted[name] = network
         await ensure_host_rules()
         self._filler = asyncio.create_task(self._fill(), name="network-pool-fill")
         self._wanted.set()
+        return adopted
 
     @property
     def idle(self) -> int:

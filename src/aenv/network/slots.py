@@ -74,6 +74,14 @@ class SlotAllocator:
         self._used.add(index)
         return Slot(index)
 
+    def reserve(self, index: int) -> Slot:
+        """Take a particular slot: one a surviving sandbox still uses after a node restart."""
+        if index in self._used or index not in self._free:
+            raise ValueError(f"slot {index} is in use or outside this allocator's range")
+        self._free.remove(index)
+        self._used.add(index)
+        return Slot(index)
+
     def give_back(self, slot: Slot) -> None:
         if slot.index in self._used:
             self._used.remove(slot.index)
