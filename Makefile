@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 .PHONY: run test host-deps venv artifacts lint bench clean-venv
 
 run: venv artifacts
-	$(PY) -m aenv.cli run
+	$(PY) -m aenv.cli server
 
 test: venv artifacts
 	$(PY) -m ruff check src tests bench

@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from ..guest.artifacts import GuestArtifacts
+from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
+from ..network.pool import NetworkPool
 from ..storage.layers import LayerStore, new_layer_id
 from ..vmm.accel import Accelerator
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
-from ..vmm.machine import MemoryMode, VirtualMachine, VMError
+from ..vmm.machine import MachineConfig, MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .repository import GcReport, SnapshotRepository
@@ -44,6 +46,7 @@ from .warm_pool import WarmPool, WarmVM
 log = logging.getLogger(__name__)
 
 MACHINE_TYPE = "microvm"
+QEMU_BINARY_NAME = b"qemu-system"
 STATE_FILE = "state.json"
 
 
@@ -83,6 +86,12 @@ class SandboxState:
     delta: str | None = None  # path of the delta layer from the last pause
     devices: str | None = None  # path of the device state from the last pause
     paused: bool = False
+    pid: int | None = None  # QEMU's, while running: a restarted node adopts it from here
+    policy: dict[str, Any] = field(default_factory=dict)  # the egress policy, as EgressPolicy fields
+
+    @property
+    def egress(self) -> EgressPolicy:
+        return EgressPolicy(**self.policy)
 
     def save(self, workdir: Path) -> None:
         tmp = workdir / f".{STATE_FILE}.tmp"
@@ -136,6 +145,7 @@ class SnapshotEngine:
         artifacts: GuestArtifacts,
         accel: Accelerator,
         *,
+        networks: NetworkPool | None = None,
         incoming_timeout: float = 60.0,
     ):
         self.repository = repository
@@ -145,6 +155,7 @@ class SnapshotEngine:
         self.sandboxes_dir = home / "sandboxes"
         self.runtime_dir = home / "runtime"
         self.incoming_timeout = incoming_timeout
+        self.networks = networks
         self.pool = WarmPool(self._spawn_warm, self._discard_warm)
         self._qemu_version: str | None = None
         for directory in (self.sandboxes_dir, self.runtime_dir):
@@ -174,6 +185,12 @@ class SnapshotEngine:
             manifest.machine.check_compatible(here)
         except ValueError as exc:
             raise EngineError(f"snapshot {manifest.id} cannot run on this node: {exc}") from exc
+
+    async def _network(self, name: str, policy: EgressPolicy | None) -> SandboxNetwork:
+        """A network from the node's pool (with egress), or a private one without any way out."""
+        if self.networks is not None:
+            return await self.networks.acquire(policy)
+        return await SandboxNetwork.create(name)
 
     def _boot_files(self, manifest: SnapshotManifest) -> BootFiles:
         shape = manifest.machine
@@ -310,8 +327,11 @@ class SnapshotEngine:
     def workdir(self, sandbox_id: str) -> Path:
         return self.sandboxes_dir / sandbox_id
 
-    async def start(self, snapshot: str, sandbox_id: str, init: GuestInit) -> SandboxVM:
+    async def start(
+        self, snapshot: str, sandbox_id: str, init: GuestInit, policy: EgressPolicy | None = None
+    ) -> SandboxVM:
         """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
+        policy = policy or EgressPolicy()
         manifest = self.repository.acquire(snapshot, sandbox_id)
         warm = self.pool.take(manifest.id)
         try:
@@ -327,6 +347,7 @@ class SnapshotEngine:
             snapshot_id=manifest.id,
             disk_layers=[*manifest.disk_layers, top],
             network_name=warm.network.name if warm else f"aenv-{sandbox_id}",
+            policy=asdict(policy),
         )
         try:
             if warm is None:
@@ -336,6 +357,8 @@ class SnapshotEngine:
             warm.workdir.rename(workdir)
             warm.vm.workdir = workdir
             self.repository.release(manifest.id, warm.entry_id)
+            if warm.network.policy != policy and self.networks is not None:
+                await warm.network.apply_policy(policy)
             return await self._identify(state, manifest, warm.vm, warm.network, init)
         except BaseException:
             self.layers.remove(top)
@@ -359,7 +382,7 @@ class SnapshotEngine:
         try:
             await self._check_runnable(manifest)
             top = await self.layers.create_upper(manifest.disk_layers[-1])
-            network = await SandboxNetwork.create(f"aenv-{entry_id}")
+            network = await self._network(f"aenv-{entry_id}", None)
             vm = await self._spawn_clone(manifest, top, workdir, network)
             deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
             await self._load(vm, manifest, deltas, self._template_stream(manifest))
@@ -394,16 +417,20 @@ class SnapshotEngine:
             os.replace(tmp, path)
         return path
 
-    async def _spawn_clone(
-        self, manifest: SnapshotManifest, top_layer: str, workdir: Path, network: SandboxNetwork
-    ) -> VirtualMachine:
-        """QEMU on the snapshot's memory image and this disk layer, waiting for incoming state."""
+    def _clone_config(self, manifest: SnapshotManifest, top_layer: str) -> MachineConfig:
+        """The machine of a sandbox restored from `manifest` whose disk chain ends in `top_layer`."""
         image = self.repository.blob_path(manifest.memory_image)
-        config = guest_machine(
+        return guest_machine(
             self._boot_files(manifest), self.layers.path(top_layer), accel=self.accel,
             vcpus=manifest.machine.vcpus, memory_mib=manifest.machine.memory_mib,
             memory_mode=MemoryMode.PRIVATE_IMAGE, memory_path=image,
         )  # fmt: skip
+
+    async def _spawn_clone(
+        self, manifest: SnapshotManifest, top_layer: str, workdir: Path, network: SandboxNetwork
+    ) -> VirtualMachine:
+        """QEMU on the snapshot's memory image and this disk layer, waiting for incoming state."""
+        config = self._clone_config(manifest, top_layer)
         tap_fd = network.open_tap()
         try:
             vm = await VirtualMachine.spawn(config, workdir, tap_fd=tap_fd, incoming=True)
@@ -428,7 +455,8 @@ class SnapshotEngine:
     ) -> SandboxVM:
         """Spawn QEMU for the sandbox and restore it (the path without a warm VM)."""
         workdir = self.workdir(state.sandbox_id)
-        network = await SandboxNetwork.create(state.network_name)
+        network = await self._network(state.network_name, state.egress)
+        state.network_name = network.name
         try:
             vm = await self._spawn_clone(manifest, state.disk_layers[-1], workdir, network)
         except BaseException:
@@ -481,7 +509,7 @@ class SnapshotEngine:
             await vm.kill()
             network.destroy()
             raise
-        state.paused = False
+        state.paused, state.pid = False, vm.pid
         state.save(vm.workdir)
         guest = GuestVM(vm=vm, network=network, envd=envd, workdir=vm.workdir)
         return SandboxVM(state=state, guest=guest, manifest=manifest)
@@ -522,7 +550,7 @@ class SnapshotEngine:
                 await sandbox.vm.command("cont")
             raise
         previous = [state.delta, state.devices]
-        state.delta, state.devices, state.paused = str(delta), str(devices), True
+        state.delta, state.devices, state.paused, state.pid = str(delta), str(devices), True, None
         state.save(workdir)
         await sandbox.guest.vm.kill()
         sandbox.guest.network.destroy()
@@ -563,6 +591,40 @@ class SnapshotEngine:
                 stream.unlink(missing_ok=True)
         blobs = self.repository.gc(grace_seconds=grace_seconds)
         return GarbageReport(removed_layers=tuple(orphans), blobs=blobs)
+
+    async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
+        """Replace a running sandbox's egress rules (one nft transaction) and remember them."""
+        await sandbox.guest.network.apply_policy(policy)
+        sandbox.state.policy = asdict(policy)
+        sandbox.state.save(sandbox.guest.workdir)
+
+    async def adopt(
+        self, state: SandboxState, access_token: str | None, network: SandboxNetwork | None = None
+    ) -> SandboxVM:
+        """Take over a sandbox whose QEMU outlived the node process that started it.
+
+        `network` is its namespace as the network pool re-adopted it, if the pool made it.
+        """
+        if state.paused or state.pid is None:
+            raise EngineError(f"sandbox {state.sandbox_id} has no running VM to adopt")
+        try:
+            cmdline = Path(f"/proc/{state.pid}/cmdline").read_bytes()
+        except OSError as exc:
+            raise EngineError(f"the VM of sandbox {state.sandbox_id} is gone") from exc
+        if QEMU_BINARY_NAME not in cmdline or str(self.workdir(state.sandbox_id)).encode() not in cmdline:
+            raise EngineError(f"process {state.pid} is not the VM of sandbox {state.sandbox_id}")
+        manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
+        workdir = self.workdir(state.sandbox_id)
+        vm = await VirtualMachine.adopt(
+            self._clone_config(manifest, state.disk_layers[-1]), workdir, state.pid
+        )
+        network = network or SandboxNetwork(state.network_name)
+        guest = GuestVM(vm=vm, network=network, envd=EnvdLink(network, access_token), workdir=workdir)
+        # After a snapshot the top of the root chain has the sealed layer's successor's node name.
+        nodes = await vm.command("query-named-block-nodes", flat=True)
+        top = f"n{state.disk_layers[-1]}"
+        root_node = top if any(n.get("node-name") == top for n in nodes) else "root"
+        return SandboxVM(state=state, guest=guest, manifest=manifest, root_node=root_node)
 
     def load_state(self, sandbox_id: str) -> SandboxState:
         return SandboxState.load(self.workdir(sandbox_id))
@@ -662,8 +724,10 @@ class SnapshotEngine:
         The children share one hidden snapshot, deleted as soon as the last of them is gone.
         """
         manifest = await self.snapshot(sandbox, metadata={"aenv.fork-of": sandbox.sandbox_id})
+        policy = sandbox.state.egress
         results = await asyncio.gather(
-            *(self.start(manifest.id, child_id, init) for child_id, init in children), return_exceptions=True
+            *(self.start(manifest.id, child_id, init, policy) for child_id, init in children),
+            return_exceptions=True,
         )
         self.repository.delete(manifest.id, defer=True)
         started = [r for r in results if isinstance(r, SandboxVM)]

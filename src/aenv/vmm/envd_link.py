@@ -97,6 +97,15 @@ class EnvdLink:
         if status >= 300:
             raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
 
+    async def metrics(self, timeout: float = 5.0) -> dict[str, Any]:
+        """envd's GET /metrics: CPU, memory and disk use inside the guest."""
+        status, body = await asyncio.to_thread(
+            _request, self.network, "GET", "/metrics", headers=self._headers(), timeout=timeout
+        )
+        if status != 200:
+            raise RuntimeError(f"envd /metrics answered {status}: {body[:200]!r}")
+        return json.loads(body)
+
     async def run(
         self,
         cmd: str,

@@ -20,14 +20,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--default-user", default="user", help="user for requests that name none")
     parser.add_argument("--default-workdir", default=None, help="cwd for commands (default: user's home)")
-    parser.add_argument("--host-peer", default=None,
-                        help="address of the node (tap gateway); its /init may replace the access token")
+    parser.add_argument(
+        "--host-peer",
+        default=None,
+        help="address of the node (tap gateway); its /init may replace the access token",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="%(asctime)s envd %(levelname)s %(name)s: %(message)s")
-    state = State(default_user=args.default_user, default_workdir=args.default_workdir,
-                  host_peer=args.host_peer)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(asctime)s envd %(levelname)s %(name)s: %(message)s",
+    )
+    state = State(
+        default_user=args.default_user, default_workdir=args.default_workdir, host_peer=args.host_peer
+    )
 
     async def run() -> None:
         task = asyncio.current_task()

@@ -64,8 +64,9 @@ def read_metadata(path: str) -> dict[str, str]:
     for name in names:
         if name.startswith(XATTR_PREFIX):
             try:
-                out[name[len(XATTR_PREFIX):]] = os.getxattr(path, name, follow_symlinks=False).decode(
-                    errors="replace")
+                out[name[len(XATTR_PREFIX) :]] = os.getxattr(path, name, follow_symlinks=False).decode(
+                    errors="replace"
+                )
             except OSError:
                 continue
     return out

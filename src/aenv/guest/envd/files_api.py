@@ -143,12 +143,14 @@ class FilesAPI:
 
         name = os.path.basename(path)
         ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
-        resp = web.StreamResponse(headers={
-            "Content-Type": ctype,
-            "Content-Disposition": f"inline; filename*=UTF-8''{quote(name)}",
-            "Vary": "Accept-Encoding",
-            "Cache-Control": "no-store",
-        })
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": ctype,
+                "Content-Disposition": f"inline; filename*=UTF-8''{quote(name)}",
+                "Vary": "Accept-Encoding",
+                "Cache-Control": "no-store",
+            }
+        )
         compressor = zlib.compressobj(6, zlib.DEFLATED, 31) if _accepts_gzip(request) else None
         if compressor is not None:
             resp.headers["Content-Encoding"] = "gzip"
@@ -213,8 +215,9 @@ class FilesAPI:
             return json_error(f.status, f.message)
         return web.json_response(written)
 
-    async def _store(self, user: User, path: str, read: Any, metadata: dict[str, str] | None
-                     ) -> dict[str, Any]:
+    async def _store(
+        self, user: User, path: str, read: Any, metadata: dict[str, str] | None
+    ) -> dict[str, Any]:
         """Create parents and the file as the user, stream the body into it, then apply metadata."""
 
         def open_target() -> int:
@@ -238,7 +241,7 @@ class FilesAPI:
                     break
                 view = memoryview(chunk)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
         except OSError as e:
             raise _os_failure(e, path) from None
         finally:
@@ -284,7 +287,7 @@ def _metadata_headers(request: web.Request) -> dict[str, str] | None:
         lower = name.lower()
         if not lower.startswith(METADATA_PREFIX):
             continue
-        key = lower[len(METADATA_PREFIX):]
+        key = lower[len(METADATA_PREFIX) :]
         if not key or not all(32 < ord(c) < 127 for c in key) or not all(31 < ord(c) < 127 for c in value):
             raise HTTPFailure(400, f"invalid metadata header '{name}'")
         out[key] = value

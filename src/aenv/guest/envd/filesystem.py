@@ -195,8 +195,9 @@ class FilesystemService:
                 raise ConnectError("invalid_argument", f"path '{path}' is on a network mount")
 
         await self._as(user, f"cannot watch '{path}'", check)
-        watcher = Watcher(path, bool(field(req, "recursive")),
-                          bool(field(req, "includeEntry", "include_entry")), emit)
+        watcher = Watcher(
+            path, bool(field(req, "recursive")), bool(field(req, "includeEntry", "include_entry")), emit
+        )
         try:
             watcher.start()
         except OSError as e:
@@ -255,5 +256,3 @@ class FilesystemService:
             if buffered.watcher is not None:
                 buffered.watcher.close()
         self.watchers.clear()
-
-

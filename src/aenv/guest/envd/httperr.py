@@ -10,5 +10,9 @@ UNAUTHORIZED = "unauthorized access, please provide a valid access token or meth
 
 
 def json_error(status: int, message: str) -> web.Response:
-    return web.Response(text=json.dumps({"code": status, "message": message}), status=status,
-                        content_type="application/json", charset="utf-8")
+    return web.Response(
+        text=json.dumps({"code": status, "message": message}),
+        status=status,
+        content_type="application/json",
+        charset="utf-8",
+    )

@@ -37,8 +37,12 @@ PTY_CHUNK = 16 * 1024
 DRAIN_LIMIT = 4 * 1024 * 1024
 RETAIN_ENDED = 64
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SIGNALS = {"SIGNAL_SIGKILL": signal.SIGKILL, "SIGNAL_SIGTERM": signal.SIGTERM, 9: signal.SIGKILL,
-           15: signal.SIGTERM}
+SIGNALS = {
+    "SIGNAL_SIGKILL": signal.SIGKILL,
+    "SIGNAL_SIGTERM": signal.SIGTERM,
+    9: signal.SIGKILL,
+    15: signal.SIGTERM,
+}
 
 
 def _b64(data: bytes) -> str:
@@ -50,8 +54,9 @@ def _unb64(value: Any) -> bytes:
         return b""
     text = str(value)
     try:
-        return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_" if "-" in text or "_" in text
-                                else None)
+        return base64.b64decode(
+            text + "=" * (-len(text) % 4), altchars=b"-_" if "-" in text or "_" in text else None
+        )
     except ValueError:
         raise ConnectError("invalid_argument", "input is not valid base64") from None
 
@@ -84,8 +89,15 @@ def _status(returncode: int) -> tuple[Message, str | None]:
 class Proc:
     """One spawned process: owns its pipes/PTY, fans output out to every connected stream."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], config: Message, tag: str | None,
-                 pty_master: int | None, stdin_fd: int | None, outputs: dict[int, str]) -> None:
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        config: Message,
+        tag: str | None,
+        pty_master: int | None,
+        stdin_fd: int | None,
+        outputs: dict[int, str],
+    ) -> None:
         self.popen = popen
         self.pid = popen.pid
         self.config = config
@@ -256,8 +268,14 @@ class ProcessService:
                     in_r, stdin_fd = os.pipe()
                     to_close.append(in_r)
                     stdio["stdin"] = in_r
-            popen = subprocess.Popen([cmd, *args], env=self._environment(user, envs), cwd=cwd,
-                                     start_new_session=True, **stdio, **kwargs)
+            popen = subprocess.Popen(
+                [cmd, *args],
+                env=self._environment(user, envs),
+                cwd=cwd,
+                start_new_session=True,
+                **stdio,
+                **kwargs,
+            )
         except (OSError, subprocess.SubprocessError) as e:
             for fd in [*outputs, *([stdin_fd] if stdin_fd is not None else [])]:
                 os.close(fd)
@@ -350,8 +368,9 @@ class ProcessService:
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
-    async def _events(self, request: web.Request, proc: Proc, q: asyncio.Queue[Message] | None
-                      ) -> AsyncIterator[Message]:
+    async def _events(
+        self, request: web.Request, proc: Proc, q: asyncio.Queue[Message] | None
+    ) -> AsyncIterator[Message]:
         """Shared Start/Connect stream: start, live data, idle keepalives, end; bounded by the deadline."""
         loop = asyncio.get_running_loop()
         keepalive = keepalive_seconds(request)

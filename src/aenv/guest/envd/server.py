@@ -32,11 +32,14 @@ def build_app(state: State) -> web.Application:
     @web.middleware
     async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "OPTIONS":
-            return web.Response(status=204, headers={
-                "Access-Control-Allow-Methods": "*",
-                "Access-Control-Allow-Headers": "*",
-                "Access-Control-Max-Age": "7200",
-            })
+            return web.Response(
+                status=204,
+                headers={
+                    "Access-Control-Allow-Methods": "*",
+                    "Access-Control-Allow-Headers": "*",
+                    "Access-Control-Max-Age": "7200",
+                },
+            )
         token = state.access_token
         if token and (request.method, request.path) not in AUTH_EXCLUDED:
             sent = request.headers.get("X-Access-Token", "")

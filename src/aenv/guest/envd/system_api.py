@@ -166,15 +166,17 @@ class SystemAPI:
             disk_used = (disk.f_blocks - disk.f_bfree) * disk.f_frsize
         except OSError:
             disk_total = disk_used = 0
-        return web.json_response({
-            "ts": int(time.time()),
-            "cpu_count": os.cpu_count() or 1,
-            "cpu_used_pct": self.cpu.percent(),
-            "mem_total": total,
-            "mem_used": used,
-            "mem_cache": mem.get("Cached", 0),
-            "mem_total_mib": total // (1024 * 1024),
-            "mem_used_mib": used // (1024 * 1024),
-            "disk_used": disk_used,
-            "disk_total": disk_total,
-        })
+        return web.json_response(
+            {
+                "ts": int(time.time()),
+                "cpu_count": os.cpu_count() or 1,
+                "cpu_used_pct": self.cpu.percent(),
+                "mem_total": total,
+                "mem_used": used,
+                "mem_cache": mem.get("Cached", 0),
+                "mem_total_mib": total // (1024 * 1024),
+                "mem_used_mib": used // (1024 * 1024),
+                "disk_used": disk_used,
+                "disk_total": disk_total,
+            }
+        )

@@ -30,8 +30,17 @@ IN_ISDIR = 0x40000000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 # The mask fsnotify (used by the reference envd) registers.
-WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF \
-    | IN_MOVE_SELF | IN_ONLYDIR
+WATCH_MASK = (
+    IN_MODIFY
+    | IN_ATTRIB
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_CREATE
+    | IN_DELETE
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
+)
 _HEADER = struct.Struct("iIII")
 # inotify bit -> FilesystemEvent type; one event per bit, like fsnotify's Op bits.
 _TYPES = (
@@ -63,8 +72,9 @@ def _check(ret: int) -> int:
 class Watcher:
     """Watches a directory (optionally recursively) and reports FilesystemEvent dicts to `emit`."""
 
-    def __init__(self, root: str, recursive: bool, include_entry: bool,
-                 emit: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self, root: str, recursive: bool, include_entry: bool, emit: Callable[[dict[str, Any]], None]
+    ) -> None:
         self.root = root
         self.recursive = recursive
         self.include_entry = include_entry
@@ -112,7 +122,7 @@ class Watcher:
         offset = 0
         while offset + _HEADER.size <= len(buf):
             wd, mask, _cookie, length = _HEADER.unpack_from(buf, offset)
-            raw = buf[offset + _HEADER.size: offset + _HEADER.size + length]
+            raw = buf[offset + _HEADER.size : offset + _HEADER.size + length]
             offset += _HEADER.size + length
             self._handle(wd, mask, os.fsdecode(raw.rstrip(b"\0")))
 

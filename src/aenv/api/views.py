@@ -1,0 +1,118 @@
+"""JSON shapes the SDKs parse: every required key present, states only `running` or `paused`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..orchestrator.service import DISK_SIZE_MB
+from ..orchestrator.store import PAUSED, SandboxRecord, api_state
+from ..snapshot.manifest import SnapshotManifest
+
+CLIENT_ID = "aenv"
+
+
+def sandbox(record: SandboxRecord, domain: str) -> dict[str, Any]:
+    """`Sandbox`: what create, connect and fork return."""
+    return {
+        "templateID": record.template_id,
+        "sandboxID": record.sandbox_id,
+        "alias": record.alias,
+        "clientID": CLIENT_ID,
+        "envdVersion": record.envd_version,
+        "envdAccessToken": record.envd_token,
+        "trafficAccessToken": record.traffic_token,
+        "domain": domain,
+    }
+
+
+def listed(record: SandboxRecord) -> dict[str, Any]:
+    """`ListedSandbox`; a paused sandbox's end time is when it was paused, as E2B reports it."""
+    paused = record.state == PAUSED and record.paused_at
+    return {
+        "templateID": record.template_id,
+        "alias": record.alias,
+        "sandboxID": record.sandbox_id,
+        "clientID": CLIENT_ID,
+        "startedAt": record.started_at,
+        "endAt": record.paused_at if paused else record.end_at,
+        "cpuCount": record.cpu_count,
+        "memoryMB": record.memory_mb,
+        "diskSizeMB": record.disk_size_mb,
+        "metadata": record.metadata,
+        "state": api_state(record.state),
+        "envdVersion": record.envd_version,
+        "volumeMounts": [],
+        "envdUnresponsiveAtPause": False,
+    }
+
+
+def detail(record: SandboxRecord, domain: str) -> dict[str, Any]:
+    """`SandboxDetail` = `ListedSandbox` plus tokens, network and lifecycle."""
+    body = listed(record) | {
+        "envdAccessToken": record.envd_token,
+        "allowInternetAccess": record.allow_internet,
+        "domain": domain,
+        "network": record.network,
+        "lifecycle": {
+            "autoResume": record.auto_resume,
+            "onTimeout": "pause" if record.auto_pause else "kill",
+        },
+    }
+    if api_state(record.state) == "paused":
+        body["pauseMode"] = "full"
+    return body
+
+
+def _names(manifest: SnapshotManifest) -> list[str]:
+    return [manifest.alias] if manifest.alias else [manifest.id]
+
+
+def snapshot_info(manifest: SnapshotManifest) -> dict[str, Any]:
+    return {
+        "snapshotID": manifest.id,
+        "names": _names(manifest),
+        "cpuCount": manifest.machine.vcpus,
+        "memoryMB": manifest.machine.memory_mib,
+        "diskSizeMB": DISK_SIZE_MB,
+        "createdAt": manifest.created_at,
+        "updatedAt": manifest.created_at,
+    }
+
+
+def template(manifest: SnapshotManifest, envd_version: str) -> dict[str, Any]:
+    return {
+        "templateID": manifest.id,
+        "buildID": manifest.id,
+        "cpuCount": manifest.machine.vcpus,
+        "memoryMB": manifest.machine.memory_mib,
+        "diskSizeMB": DISK_SIZE_MB,
+        "public": False,
+        "names": _names(manifest),
+        "aliases": [manifest.alias] if manifest.alias else [],
+        "createdAt": manifest.created_at,
+        "updatedAt": manifest.created_at,
+        "createdBy": None,
+        "lastSpawnedAt": None,
+        "spawnCount": 0,
+        "buildCount": 1,
+        "envdVersion": envd_version,
+        "buildStatus": "ready",
+    }
+
+
+def template_with_builds(manifest: SnapshotManifest, envd_version: str) -> dict[str, Any]:
+    build = {
+        "buildID": manifest.id,
+        "status": "ready",
+        "createdAt": manifest.created_at,
+        "updatedAt": manifest.created_at,
+        "finishedAt": manifest.created_at,
+        "cpuCount": manifest.machine.vcpus,
+        "memoryMB": manifest.machine.memory_mib,
+        "diskSizeMB": DISK_SIZE_MB,
+        "envdVersion": envd_version,
+    }
+    summary = template(manifest, envd_version)
+    keys = ("templateID", "public", "names", "aliases", "createdAt", "updatedAt", "lastSpawnedAt")
+    keys += ("spawnCount",)
+    return {key: summary[key] for key in keys} | {"builds": [build]}

@@ -1,0 +1,103 @@
+"""Node settings: defaults, then a TOML file (`AENV_CONFIG_PATH`), then `AENV_*` environment variables.
+
+Every setting has one environment variable, its name upper-cased with the `AENV_` prefix
+(`api_addr` → `AENV_API_ADDR`); in the TOML file settings may sit at the top level or in any
+table (`[server] api_addr = ...`), so files stay readable without nesting rules to learn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from . import paths
+
+
+class ConfigError(ValueError):
+    """A setting has a value of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    api_addr: str = "127.0.0.1:8000"
+    home_path: Path = dataclasses.field(default_factory=paths.home_dir)
+    api_key: str | None = None
+    domain: str = ""  # sandbox hosts are {port}-{sandboxID}.{domain}; empty: the API host's name
+    accel: str = "auto"
+    vcpus: int = 2
+    memory_mib: int = 512
+    default_timeout: int = 300  # seconds, for creates that name none
+    max_timeout: int = 24 * 3600
+    max_fork_count: int = 16
+    warm_pool_size: int = 2  # restored guests kept ready per template
+    shutdown_action: str = "pause"  # what SIGTERM does to running sandboxes: pause or kill
+    evict_interval: float = 1.0
+    log_level: str = "INFO"
+
+    @property
+    def host(self) -> str:
+        return self.api_addr.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.api_addr.rsplit(":", 1)[1])
+
+    def validate(self) -> Settings:
+        problems = []
+        if ":" not in self.api_addr or not self.api_addr.rsplit(":", 1)[1].isdigit():
+            problems.append(f"api_addr must be host:port, got {self.api_addr!r}")
+        if self.shutdown_action not in ("pause", "kill"):
+            problems.append(f"shutdown_action must be pause or kill, got {self.shutdown_action!r}")
+        if self.accel not in ("auto", "kvm", "tcg"):
+            problems.append(f"accel must be auto, kvm or tcg, got {self.accel!r}")
+        for name in ("vcpus", "memory_mib", "default_timeout", "max_timeout", "max_fork_count"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be positive")
+        if self.warm_pool_size < 0:
+            problems.append("warm_pool_size must not be negative")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    try:
+        if "Path" in kind:
+            return Path(value)
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        return None if value is None else str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"setting {name}: {value!r} is not a valid {kind}") from exc
+
+
+def load_settings(environ: dict[str, str] | None = None) -> Settings:
+    """Settings from the defaults, the TOML file named by AENV_CONFIG_PATH, and the environment."""
+    environ = dict(os.environ if environ is None else environ)
+    known = {f.name: f.type for f in fields(Settings)}
+    values: dict[str, Any] = {}
+    config_path = environ.get("AENV_CONFIG_PATH")
+    if config_path:
+        try:
+            document = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {config_path}: {exc}") from exc
+        flat = {k: v for k, v in document.items() if not isinstance(v, dict)}
+        for table in (v for v in document.values() if isinstance(v, dict)):
+            flat.update(table)
+        unknown = sorted(set(flat) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown settings in {config_path}: {', '.join(unknown)}")
+        values.update({k: _coerce(k, known[k], v) for k, v in flat.items()})
+    for name, kind in known.items():
+        variable = f"AENV_{name.upper()}"
+        if variable in environ:
+            values[name] = _coerce(name, kind, environ[variable])
+    return Settings(**values).validate()

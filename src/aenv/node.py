@@ -1,0 +1,156 @@
+"""`aenv server`: one process serving the API and the sandbox proxy on this node.
+
+Start-up builds what is missing (guest artifacts, the `base` template), restores the node's
+state (paused sandboxes stay paused; VMs a crash left running are adopted and paused), fills
+the warm pools and listens. SIGTERM or SIGINT pause the running sandboxes (or kill them, by
+configuration) before the process exits, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from . import __version__
+from .api.server import NodeAPI
+from .config import Settings, load_settings
+from .guest.artifacts import ensure_guest_artifacts
+from .network.pool import NetworkPool
+from .orchestrator.service import Orchestrator
+from .orchestrator.store import SandboxStore
+from .snapshot.engine import SnapshotEngine
+from .snapshot.repository import SnapshotNotFound, SnapshotRepository
+from .vmm.accel import choose_accelerator
+
+log = logging.getLogger("aenv.node")
+
+BASE_TEMPLATE = "base"
+
+
+def api_key(settings: Settings) -> str:
+    """The node's API key: from the settings, else the stored one, else a new one stored 0600."""
+    if settings.api_key:
+        return settings.api_key
+    path = settings.home_path / "secrets" / "api-key"
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = "e2b_" + secrets.token_hex(32)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.replace(tmp, path)
+    log.warning("generated an API key and stored it in %s (mode 0600)", path)
+    return key
+
+
+def node_id(home: Path) -> str:
+    path = home / "node-id"
+    if not path.exists():
+        path.write_text(secrets.token_hex(8) + "\n")
+    return path.read_text().strip()
+
+
+class Node:
+    """Everything one node runs, started and stopped in the right order."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.runner: web.AppRunner | None = None
+        self.networks: NetworkPool | None = None
+        self.orchestrator: Orchestrator | None = None
+        self.api: NodeAPI | None = None
+
+    async def start(self) -> None:
+        settings = self.settings
+        started = time.monotonic()
+        home = settings.home_path
+        home.mkdir(parents=True, exist_ok=True)
+        choice = choose_accelerator(settings.accel)
+        log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
+        key = api_key(settings)
+        artifacts = await asyncio.to_thread(ensure_guest_artifacts)
+        repository = SnapshotRepository(home / "repository")
+        repository.cleanup_staging(older_than=0)
+        self.networks = NetworkPool(size=max(2, settings.warm_pool_size))
+        engine = SnapshotEngine(home, repository, artifacts, choice.accel, networks=self.networks)
+        self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))
+        kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
+        await self.orchestrator.start(kept)
+        template = await self._base_template(engine, settings)
+        for manifest in repository.list("template"):
+            await engine.pool.set_target(manifest.id, settings.warm_pool_size)
+        self.api = NodeAPI(self.orchestrator, domain=self._domain(), node_id=node_id(home))
+        self.runner = web.AppRunner(self.api.app(key), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, settings.host, settings.port, reuse_address=True).start()
+        log.info(
+            "listening on http://%s (template %s = %s, %d sandboxes restored) after %.1f s; "
+            "E2B SDK: E2B_API_URL=E2B_SANDBOX_URL=http://%s E2B_API_KEY=<key>",
+            settings.api_addr, BASE_TEMPLATE, template, len(self.orchestrator.sandboxes),
+            time.monotonic() - started, settings.api_addr,
+        )  # fmt: skip
+
+    def _domain(self) -> str:
+        """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""
+        return self.settings.domain or f"localhost:{self.settings.port}"
+
+    async def _base_template(self, engine: SnapshotEngine, settings: Settings) -> str:
+        try:
+            return engine.repository.get(BASE_TEMPLATE).id
+        except SnapshotNotFound:
+            log.info("building the %s template (one boot, once per node)", BASE_TEMPLATE)
+            manifest = await engine.build_template(
+                BASE_TEMPLATE, vcpus=settings.vcpus, memory_mib=settings.memory_mib
+            )
+            return manifest.id
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.orchestrator is not None:
+            await self.orchestrator.close()
+        if self.networks is not None:
+            await self.networks.close()
+        log.info("node stopped")
+
+
+async def serve(settings: Settings) -> None:
+    node = Node(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    pid = os.getpid()
+
+    def request_stop(signum: int, frame: object) -> None:
+        # Not loop.add_signal_handler: children that pyroute2 forks inherit its wake-up socket,
+        # and their exit signals would stop this node. A forked child ignores this handler.
+        if os.getpid() == pid:
+            loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+    try:
+        await node.start()
+        await stop.wait()
+        log.info("stopping: %s running sandboxes", settings.shutdown_action)
+    finally:
+        await node.stop()
+
+
+def main() -> None:
+    settings = load_settings()
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("qemu.qmp").setLevel(logging.WARNING)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(settings))

@@ -1,0 +1,1 @@
+"""Sandbox lifecycle: the state machine, TTLs, persistence across restarts."""
