@@ -40,8 +40,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def run_envd(tmp: Path, token: str | None = None, env_vars: dict[str, str] | None = None
-             ) -> Iterator[EnvdProcess]:
+def run_envd(
+    tmp: Path, token: str | None = None, env_vars: dict[str, str] | None = None
+) -> Iterator[EnvdProcess]:
     """Start envd on a free loopback port, wait for /health, optionally /init it; always stop it."""
     port = free_port()
     workdir = tmp / "default-workdir"
@@ -50,9 +51,24 @@ def run_envd(tmp: Path, token: str | None = None, env_vars: dict[str, str] | Non
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     with log.open("wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aenv.guest.envd", "--host", "127.0.0.1", "--port", str(port),
-             "--default-user", "root", "--default-workdir", str(workdir)],
-            stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "aenv.guest.envd",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--default-user",
+                "root",
+                "--default-workdir",
+                str(workdir),
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 15
@@ -93,14 +109,21 @@ def sdk_sandbox(envd: EnvdProcess, token: str | None = None):
     if token:
         headers["X-Access-Token"] = token
     config = ConnectionConfig(debug=True, sandbox_url=envd.url, extra_sandbox_headers=headers)
-    return Sandbox(sandbox_id="envdtest", sandbox_domain=None, envd_version=Version(ENVD_VERSION),
-                   envd_access_token=token, traffic_access_token=None, connection_config=config)
+    return Sandbox(
+        sandbox_id="envdtest",
+        sandbox_domain=None,
+        envd_version=Version(ENVD_VERSION),
+        envd_access_token=token,
+        traffic_access_token=None,
+        connection_config=config,
+    )
 
 
 @pytest.fixture(scope="session")
 def envd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvdProcess]:
-    with run_envd(tmp_path_factory.mktemp("envd"), token=uuid.uuid4().hex,
-                  env_vars={"AENV_SANDBOX_VAR": "from-init"}) as envd:
+    with run_envd(
+        tmp_path_factory.mktemp("envd"), token=uuid.uuid4().hex, env_vars={"AENV_SANDBOX_VAR": "from-init"}
+    ) as envd:
         yield envd
 
 

@@ -23,8 +23,10 @@ from .conftest import EnvdProcess, sdk_sandbox
 
 
 def _headers(envd: EnvdProcess, stream: bool = True, **extra: str) -> dict[str, str]:
-    h = {"Content-Type": "application/connect+json" if stream else "application/json",
-         "Connect-Protocol-Version": "1"}
+    h = {
+        "Content-Type": "application/connect+json" if stream else "application/json",
+        "Connect-Protocol-Version": "1",
+    }
     if envd.token:
         h["X-Access-Token"] = envd.token
     h.update(extra)
@@ -45,8 +47,8 @@ def _read_frames(resp: httpx.Response) -> list[tuple[int, dict]]:
             flags, length = struct.unpack(">BI", buf[:5])
             if len(buf) < 5 + length:
                 break
-            frames.append((flags, json.loads(buf[5:5 + length])))
-            buf = buf[5 + length:]
+            frames.append((flags, json.loads(buf[5 : 5 + length])))
+            buf = buf[5 + length :]
     assert buf == b""
     return frames
 
@@ -55,8 +57,13 @@ def _start(envd: EnvdProcess, script: str, cwd: str | None = None, **headers: st
     body: dict = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", script]}, "stdin": False}
     if cwd:
         body["process"]["cwd"] = cwd
-    with httpx.stream("POST", envd.url + "/process.Process/Start", content=_envelope(body),
-                      headers=_headers(envd, **headers), timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        envd.url + "/process.Process/Start",
+        content=_envelope(body),
+        headers=_headers(envd, **headers),
+        timeout=30,
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"] == "application/connect+json"
         return _read_frames(r)
@@ -98,8 +105,11 @@ def test_unary_errors(envd_server):
     assert r.status_code == 404 and r.json()["code"] == "not_found"
     r = _unary(envd_server, "process.Process/SendSignal", {"process": {"pid": 1}, "signal": "SIGNAL_SIGKILL"})
     assert r.status_code == 404 and r.json()["code"] == "not_found"
-    r = httpx.post(envd_server.url + "/process.Process/List", content=b"{}",
-                   headers=_headers(envd_server, stream=False, **{"Content-Type": "application/proto"}))
+    r = httpx.post(
+        envd_server.url + "/process.Process/List",
+        content=b"{}",
+        headers=_headers(envd_server, stream=False, **{"Content-Type": "application/proto"}),
+    )
     assert r.status_code == 415
     bad_user = {"Authorization": "Basic " + base64.b64encode(b"no-such-user:").decode()}
     r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": "/"}, **bad_user)
@@ -118,8 +128,10 @@ def test_entry_info_wire_format(envd_server, tmp_path):
 def test_access_token_required(envd_server):
     r = httpx.post(envd_server.url + "/process.Process/List", json={})
     assert r.status_code == 401
-    assert r.json() == {"code": 401, "message": "unauthorized access, please provide a valid access token or "
-                        "method signing if supported"}
+    assert r.json() == {
+        "code": 401,
+        "message": "unauthorized access, please provide a valid access token or method signing if supported",
+    }
     assert httpx.get(envd_server.url + "/health").status_code == 204
     assert httpx.get(envd_server.url + "/envs").status_code == 401
 
@@ -135,8 +147,10 @@ def test_wrong_token_sdk(envd_server):
 
 
 def test_init_envs_clock_entropy(envd_server):
-    assert httpx.get(envd_server.url + "/envs", headers=_headers(envd_server)).json()["AENV_SANDBOX_VAR"] \
+    assert (
+        httpx.get(envd_server.url + "/envs", headers=_headers(envd_server)).json()["AENV_SANDBOX_VAR"]
         == "from-init"
+    )
     now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
     body = {"timestamp": now, "entropy": base64.b64encode(b"\x01" * 64).decode(), "envVars": {"B": "2"}}
     assert httpx.post(envd_server.url + "/init", json=body).status_code == 401  # token already set
@@ -153,8 +167,18 @@ def test_init_envs_clock_entropy(envd_server):
 
 def test_metrics(envd_server):
     m = httpx.get(envd_server.url + "/metrics", headers=_headers(envd_server)).json()
-    for key in ("ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache", "mem_total_mib",
-                "mem_used_mib", "disk_used", "disk_total"):
+    for key in (
+        "ts",
+        "cpu_count",
+        "cpu_used_pct",
+        "mem_total",
+        "mem_used",
+        "mem_cache",
+        "mem_total_mib",
+        "mem_used_mib",
+        "disk_used",
+        "disk_total",
+    ):
         assert key in m
     assert m["mem_total"] > m["mem_used"] > 0 and m["disk_total"] > 0
 
@@ -169,8 +193,12 @@ def test_files_raw_encodings_and_errors(envd_server, tmp_path):
     data = b"x" * 10000
     url = envd_server.url + "/files"
     auth = {"X-Access-Token": envd_server.token}
-    r = httpx.post(url, params={"path": str(tmp_path / "g.bin")}, content=gzip.compress(data),
-                   headers={**auth, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+    r = httpx.post(
+        url,
+        params={"path": str(tmp_path / "g.bin")},
+        content=gzip.compress(data),
+        headers={**auth, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+    )
     assert r.status_code == 200 and r.json()[0]["path"] == str(tmp_path / "g.bin")
     assert (tmp_path / "g.bin").read_bytes() == data
     params = {"path": str(tmp_path / "g.bin")}
@@ -182,10 +210,16 @@ def test_files_raw_encodings_and_errors(envd_server, tmp_path):
     assert httpx.get(url, params={"path": str(tmp_path)}, headers=auth).status_code == 400
     r = httpx.get(url, params={"path": str(tmp_path / "nope")}, headers=auth)
     assert r.status_code == 404 and r.json()["code"] == 404
-    assert httpx.get(url, params={"path": "/etc/hostname", "username": "no-such-user"},
-                     headers=auth).status_code == 401
-    assert httpx.post(url, content=b"x", headers={**auth, "Content-Type": "application/octet-stream"}
-                      ).status_code == 400
+    assert (
+        httpx.get(url, params={"path": "/etc/hostname", "username": "no-such-user"}, headers=auth).status_code
+        == 401
+    )
+    assert (
+        httpx.post(
+            url, content=b"x", headers={**auth, "Content-Type": "application/octet-stream"}
+        ).status_code
+        == 400
+    )
 
 
 def test_signed_urls(envd_server, tmp_path):
@@ -206,9 +240,14 @@ def test_signed_urls(envd_server, tmp_path):
 async def test_async_watch_dir_stream(envd_server, tmp_path):
     headers = {"X-Access-Token": envd_server.token, "E2b-Sandbox-Id": "envdtest", "E2b-Sandbox-Port": "49983"}
     config = ConnectionConfig(debug=True, sandbox_url=envd_server.url, extra_sandbox_headers=headers)
-    sbx = AsyncSandbox(sandbox_id="envdtest", sandbox_domain=None, envd_version=Version(ENVD_VERSION),
-                       envd_access_token=envd_server.token, traffic_access_token=None,
-                       connection_config=config)
+    sbx = AsyncSandbox(
+        sandbox_id="envdtest",
+        sandbox_domain=None,
+        envd_version=Version(ENVD_VERSION),
+        envd_access_token=envd_server.token,
+        traffic_access_token=None,
+        connection_config=config,
+    )
     events = []
     handle = await sbx.files.watch_dir(str(tmp_path), events.append, recursive=True, include_entry=True)
     try:
@@ -228,5 +267,7 @@ def test_clock_helpers():
 
     ts = datetime(2025, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
     assert parse_rfc3339_ns("2025-01-02T03:04:05.123456789Z") == int(ts.timestamp()) * 10**9 + 123456000
-    assert parse_rfc3339_ns("2025-01-02T05:04:05+02:00") == int((ts - timedelta(microseconds=123456))
-                                                                   .timestamp()) * 10**9
+    assert (
+        parse_rfc3339_ns("2025-01-02T05:04:05+02:00")
+        == int((ts - timedelta(microseconds=123456)).timestamp()) * 10**9
+    )

@@ -49,8 +49,9 @@ def test_exit_code(sandbox):
 
 
 def test_envs_and_cwd(sandbox, workdir):
-    r = sandbox.commands.run('echo "$FOO|$HOME|$USER"; pwd', envs={"FOO": "bar baz"}, cwd=workdir,
-                             user="root")
+    r = sandbox.commands.run(
+        'echo "$FOO|$HOME|$USER"; pwd', envs={"FOO": "bar baz"}, cwd=workdir, user="root"
+    )
     lines = r.stdout.splitlines()
     assert lines[0] == "bar baz|/root|root"
     assert lines[1] == workdir
@@ -77,8 +78,11 @@ def test_timeout_kills_process(sandbox, workdir):
 def test_on_stdout_streaming_order(sandbox):
     chunks: list[str] = []
     errs: list[str] = []
-    r = sandbox.commands.run("for i in 1 2 3 4 5; do echo $i; echo e$i >&2; sleep 0.05; done",
-                             on_stdout=chunks.append, on_stderr=errs.append)
+    r = sandbox.commands.run(
+        "for i in 1 2 3 4 5; do echo $i; echo e$i >&2; sleep 0.05; done",
+        on_stdout=chunks.append,
+        on_stderr=errs.append,
+    )
     assert "".join(chunks) == "1\n2\n3\n4\n5\n" == r.stdout
     assert "".join(errs) == "e1\ne2\ne3\ne4\ne5\n"
     assert len(chunks) >= 2, "output should be streamed, not buffered until exit"
@@ -202,10 +206,12 @@ def test_write_bytes_gzip_octet_stream(sandbox, workdir):
 
 
 def test_write_files_with_parents(sandbox, workdir):
-    infos = sandbox.files.write_files([
-        {"path": f"{workdir}/x/y/1.txt", "data": "1"},
-        {"path": f"{workdir}/z/2.txt", "data": b"2"},
-    ])
+    infos = sandbox.files.write_files(
+        [
+            {"path": f"{workdir}/x/y/1.txt", "data": "1"},
+            {"path": f"{workdir}/z/2.txt", "data": b"2"},
+        ]
+    )
     assert [i.path for i in infos] == [f"{workdir}/x/y/1.txt", f"{workdir}/z/2.txt"]
     assert sandbox.files.read(f"{workdir}/x/y/1.txt") == "1"
     assert sandbox.files.read(f"{workdir}/z/2.txt") == "2"
@@ -278,8 +284,9 @@ def test_watch_dir(sandbox, workdir):
         time.sleep(0.2)
         sandbox.files.write(f"{workdir}/sub/inner.txt", "x")
         events = []
-        _wait_until(lambda: events.extend(handle.get_new_events()) or
-                    any(e.name == "sub/inner.txt" for e in events))
+        _wait_until(
+            lambda: events.extend(handle.get_new_events()) or any(e.name == "sub/inner.txt" for e in events)
+        )
         kinds = {(e.name, e.type) for e in events}
         assert ("w.txt", FilesystemEventType.CREATE) in kinds
         assert ("w.txt", FilesystemEventType.WRITE) in kinds
@@ -287,8 +294,12 @@ def test_watch_dir(sandbox, workdir):
         assert ("sub/inner.txt", FilesystemEventType.CREATE) in kinds
         assert handle.get_new_events() == []  # drained
         sandbox.files.remove(f"{workdir}/w.txt")
-        assert _wait_until(lambda: events.extend(handle.get_new_events()) or
-                           ("w.txt", FilesystemEventType.REMOVE) in {(e.name, e.type) for e in events})
+        assert _wait_until(
+            lambda: (
+                events.extend(handle.get_new_events())
+                or ("w.txt", FilesystemEventType.REMOVE) in {(e.name, e.type) for e in events}
+            )
+        )
     finally:
         handle.stop()
 
@@ -312,8 +323,9 @@ def test_permission_denied_for_other_user(sandbox, workdir):
 
 def test_file_ownership_follows_user(sandbox):
     # A world-traversable directory: the per-test workdir's parents may be private to root.
-    shared = sandbox.commands.run("d=$(mktemp -d /tmp/envd-own.XXXXXX) && chmod 777 $d && echo $d",
-                                  user="root").stdout.strip()
+    shared = sandbox.commands.run(
+        "d=$(mktemp -d /tmp/envd-own.XXXXXX) && chmod 777 $d && echo $d", user="root"
+    ).stdout.strip()
     try:
         info = sandbox.files.write(f"{shared}/owned/n.txt", "n", user="nobody")
         assert sandbox.files.get_info(info.path).owner == "nobody"
