@@ -11,8 +11,12 @@ QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 # Host runtime: iproute2 and nftables for sandbox networks, python3-venv for the project.
 PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
-    cpio e2fsprogs zstd iproute2 nftables python3-venv
+    cpio e2fsprogs zstd iproute2 nftables util-linux python3-venv
 )
+# The test suite drives the official e2b npm SDK too: Node.js and npm, unless already installed.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    PACKAGES+=(nodejs npm)
+fi
 
 log() { echo "install-host-deps: $*" >&2; }
 

@@ -186,12 +186,14 @@ class _Connection:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     idle_since: float = 0.0
+    aborted: bool = False
 
     def reusable(self, now: float) -> bool:
         fresh = now - self.idle_since < IDLE_TIMEOUT
         return fresh and not self.writer.is_closing() and not self.reader.at_eof()
 
     def abort(self) -> None:
+        self.aborted = True
         self.writer.transport.abort()
 
 
@@ -612,6 +614,8 @@ class SandboxProxy:
         try:
             await resp.prepare(request)
             await _relay_body(conn.reader, resp, head)
+            if conn.aborted:  # released mid-body: an end-at-close body would otherwise look whole
+                raise ConnectionAbortedError("sandbox released")
             complete = True
             await resp.write_eof()
         except (*_BROKEN, ValueError) as exc:

@@ -7,6 +7,7 @@ HTML page); the sandbox proxy serves data-plane traffic (routing headers, sandbo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -191,6 +192,7 @@ class NodeAPI:
             ("POST", "/sandboxes/{sandboxID}/connect", self.connect),
             ("POST", "/v2/sandboxes/{sandboxID}/connect", self.connect),
             ("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics),
+            ("GET", "/sandboxes/{sandboxID}/logs", self.sandbox_logs),
             ("POST", "/sandboxes/{sandboxID}/snapshots", self.create_snapshot),
             ("POST", "/sandboxes/{sandboxID}/fork", self.fork),
             ("PUT", "/sandboxes/{sandboxID}/network", self.update_network),
@@ -346,6 +348,20 @@ class NodeAPI:
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
         return web.json_response(await self.orchestrator.metrics(self._sandbox(request)))
+
+    async def sandbox_logs(self, request: web.Request) -> web.Response:
+        """The guest's serial console (kernel, init and envd messages), oldest first."""
+        sandbox = self._sandbox(request)
+        start = _int_query(request, "start", low=0, high=1 << 62) or 0
+        limit = _int_query(request, "limit", low=1, high=100_000) or 1000
+        lines = await asyncio.to_thread(self.orchestrator.engine.serial_lines, sandbox.id)
+        logs = [
+            {"timestamp": sandbox.record.started_at, "line": line} for line in lines[start : start + limit]
+        ]
+        entries = [
+            {"timestamp": e["timestamp"], "message": e["line"], "level": "info", "fields": {}} for e in logs
+        ]
+        return web.json_response({"logs": logs, "logEntries": entries})
 
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)

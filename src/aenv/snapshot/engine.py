@@ -37,7 +37,7 @@ from ..storage.layers import LayerStore, new_layer_id
 from ..vmm.accel import Accelerator
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
-from ..vmm.machine import MachineConfig, MemoryMode, VirtualMachine, VMError
+from ..vmm.machine import SERIAL_LOG, MachineConfig, MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .repository import GcReport, SnapshotRepository
@@ -625,6 +625,14 @@ class SnapshotEngine:
         top = f"n{state.disk_layers[-1]}"
         root_node = top if any(n.get("node-name") == top for n in nodes) else "root"
         return SandboxVM(state=state, guest=guest, manifest=manifest, root_node=root_node)
+
+    def serial_lines(self, sandbox_id: str) -> list[str]:
+        """The sandbox's serial console so far, across its pauses and resumes."""
+        try:
+            text = (self.workdir(sandbox_id) / SERIAL_LOG).read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        return [line.rstrip("\r") for line in text.splitlines() if line.strip()]
 
     def load_state(self, sandbox_id: str) -> SandboxState:
         return SandboxState.load(self.workdir(sandbox_id))
