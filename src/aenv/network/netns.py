@@ -92,9 +92,11 @@ def _make_namespace(name: str, errors: list[BaseException]) -> None:
     """In a thread of its own: a new network namespace, pinned at /run/netns/<name> as `ip netns` does."""
     try:
         os.makedirs(NETNS_DIR, exist_ok=True)
-        if not os.path.ismount(NETNS_DIR):
+        # As iproute2 does: make the directory a shared mount point, binding it onto itself
+        # only if it is not a mount point yet (the first attempt fails with EINVAL then).
+        if _libc.mount(b"", NETNS_DIR.encode(), b"none", _MS_SHARED | _MS_REC, None) != 0:
             _mount(NETNS_DIR, NETNS_DIR, _MS_BIND | _MS_REC)
-        _mount("", NETNS_DIR, _MS_SHARED | _MS_REC)
+            _mount("", NETNS_DIR, _MS_SHARED | _MS_REC)
         path = f"{NETNS_DIR}/{name}"
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
         if _libc.unshare(_CLONE_NEWNET) != 0:
