@@ -28,7 +28,7 @@ class Settings:
     api_key: str | None = None
     domain: str = ""  # sandbox hosts are {port}-{sandboxID}.{domain}; empty: the API host's name
     accel: str = "auto"
-    vcpus: int = 2
+    vcpus: int = 0  # of the base template; 0: 2 under KVM, 1 under TCG
     memory_mib: int = 512
     default_timeout: int = 300  # seconds, for creates that name none
     max_timeout: int = 24 * 3600
@@ -54,9 +54,11 @@ class Settings:
             problems.append(f"shutdown_action must be pause or kill, got {self.shutdown_action!r}")
         if self.accel not in ("auto", "kvm", "tcg"):
             problems.append(f"accel must be auto, kvm or tcg, got {self.accel!r}")
-        for name in ("vcpus", "memory_mib", "default_timeout", "max_timeout", "max_fork_count"):
+        for name in ("memory_mib", "default_timeout", "max_timeout", "max_fork_count"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
+        if self.vcpus < 0:
+            problems.append("vcpus must not be negative")
         if self.warm_pool_size < 0:
             problems.append("warm_pool_size must not be negative")
         if problems:

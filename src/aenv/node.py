@@ -110,7 +110,7 @@ class Node:
         except SnapshotNotFound:
             log.info("building the %s template (one boot, once per node)", BASE_TEMPLATE)
             manifest = await engine.build_template(
-                BASE_TEMPLATE, vcpus=settings.vcpus, memory_mib=settings.memory_mib
+                BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
             )
             return manifest.id
 

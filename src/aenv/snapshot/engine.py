@@ -34,7 +34,7 @@ from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
 from ..storage.layers import LayerStore, new_layer_id
-from ..vmm.accel import Accelerator
+from ..vmm.accel import Accelerator, default_vcpus
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
 from ..vmm.machine import SERIAL_LOG, MachineConfig, MemoryMode, VirtualMachine, VMError
@@ -207,7 +207,7 @@ class SnapshotEngine:
         self,
         alias: str | None,
         *,
-        vcpus: int = 2,
+        vcpus: int | None = None,
         memory_mib: int = 512,
         runtime: RuntimeContext | None = None,
         metadata: dict[str, str] | None = None,
@@ -215,12 +215,13 @@ class SnapshotEngine:
     ) -> SnapshotManifest:
         """Boot a fresh guest, run the start command until the ready check passes, commit it."""
         runtime = runtime or RuntimeContext()
+        vcpus = vcpus or default_vcpus(self.accel)
         started = time.monotonic()
         staging = self.repository.staging_dir()
         guest: GuestVM | None = None
         upper: str | None = None
         try:
-            boot = BootFiles.from_artifacts(self.artifacts)
+            boot = BootFiles.from_artifacts(self.artifacts, self.accel)
             digests = await asyncio.to_thread(
                 lambda: [self.repository.put_blob(p) for p in (boot.kernel, boot.initramfs, boot.tools_image)]
             )

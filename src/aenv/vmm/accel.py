@@ -54,5 +54,31 @@ def choose_accelerator(setting: str = "auto") -> AcceleratorChoice:
     return AcceleratorChoice("kvm", "/dev/kvm is available")
 
 
+def default_vcpus(accel: Accelerator) -> int:
+    """vCPUs per guest when not configured: 2 under KVM, as E2B's default, 1 under TCG.
+
+    Under TCG on a busy host the guest kernel sometimes hangs bringing up a second vCPU
+    ("Booting SMP configuration"), and every vCPU is a host thread emulating a CPU.
+    """
+    return 2 if accel == "kvm" else 1
+
+
+def host_tsc_khz() -> int | None:
+    """The host's TSC frequency as /proc/cpuinfo reports it, for guests under TCG.
+
+    Under TCG the guest's TSC runs at the host's rate, but the guest kernel calibrates it against
+    the emulated PIT, which fails on a busy host and can hang the boot; telling the guest the
+    frequency (`tsc_early_khz=`) makes calibration unnecessary.
+    """
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("cpu MHz"):
+                    return round(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def accelerator_from_env() -> AcceleratorChoice:
     return choose_accelerator(os.environ.get("AENV_ACCEL", "auto"))

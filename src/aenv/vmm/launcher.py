@@ -18,7 +18,7 @@ from typing import Any
 
 from ..guest.artifacts import GuestArtifacts
 from ..network.netns import SandboxNetwork
-from .accel import Accelerator, accelerator_from_env
+from .accel import Accelerator, accelerator_from_env, default_vcpus, host_tsc_khz
 from .envd_link import EnvdLink
 from .machine import Drive, MachineConfig, MemoryMode, VirtualMachine
 
@@ -46,8 +46,13 @@ class BootFiles:
     cmdline: str
 
     @classmethod
-    def from_artifacts(cls, artifacts: GuestArtifacts, hostname: str = "aenv") -> BootFiles:
+    def from_artifacts(
+        cls, artifacts: GuestArtifacts, accel: Accelerator, hostname: str = "aenv"
+    ) -> BootFiles:
         cmdline = f"{artifacts.kernel_cmdline} aenv.hostname={hostname}"
+        tsc_khz = host_tsc_khz() if accel == "tcg" else None
+        if tsc_khz:
+            cmdline += f" tsc_early_khz={tsc_khz}"
         return cls(artifacts.kernel, artifacts.initramfs, artifacts.tools_image, cmdline)
 
 
@@ -144,7 +149,8 @@ async def boot_base_guest(artifacts: GuestArtifacts, workdir: Path, *, name: str
     upper = workdir / "disk.qcow2"
     await create_upper_layer(artifacts.base_image, upper)
     accel = machine.pop("accel", None) or accelerator_from_env().accel
-    config = guest_machine(BootFiles.from_artifacts(artifacts, name), upper, accel=accel, **machine)
+    machine.setdefault("vcpus", default_vcpus(accel))
+    config = guest_machine(BootFiles.from_artifacts(artifacts, accel, name), upper, accel=accel, **machine)
     return await boot_guest(config, workdir, network_name=f"aenv-{name}")
 
 
