@@ -483,7 +483,9 @@ class Orchestrator:
                     timeout = max(sandbox.record.timeout, AUTO_RESUME_MIN_TIMEOUT)
                     with contextlib.suppress(SandboxError):
                         await self._resume_locked(sandbox, timeout)
-        return sandbox if sandbox.vm is not None and sandbox.record.state != KILLING else None
+        # Pausing or killing: traffic gets the proxy's 502 rather than a VM about to go away.
+        serving = sandbox.record.state in (RUNNING, SNAPSHOTTING, FORKING)
+        return sandbox if serving and sandbox.vm is not None else None
 
     # -- TTL -------------------------------------------------------------------------------
 
