@@ -51,6 +51,8 @@ def run_list(args: argparse.Namespace) -> int:
 def run_delete(args: argparse.Namespace) -> int:
     client = api()
     for name in args.snapshots:
+        # The delete route serves templates too: make sure this one is a snapshot first.
+        client.call("GET", f"/snapshots/{quote(name, safe='')}")
         client.call("DELETE", f"/templates/{quote(name, safe='')}")
     results = [{"snapshotID": name, "deleted": True} for name in args.snapshots]
     output.done(results, "\n".join(f"Deleted snapshot {name}" for name in args.snapshots), args.output)
