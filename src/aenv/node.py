@@ -90,7 +90,11 @@ class Node:
         for manifest in repository.list("template"):
             await engine.pool.set_target(manifest.id, settings.warm_pool_size)
         self.api = NodeAPI(self.orchestrator, domain=self._domain(), node_id=node_id(home))
-        self.runner = web.AppRunner(self.api.app(key), access_log=None, handle_signals=False)
+        # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
+        # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
+        self.runner = web.AppRunner(
+            self.api.app(key), access_log=None, handle_signals=False, auto_decompress=False
+        )
         await self.runner.setup()
         await web.TCPSite(self.runner, settings.host, settings.port, reuse_address=True).start()
         log.info(
