@@ -35,6 +35,10 @@ class Settings:
     max_fork_count: int = 16
     warm_pool_size: int = 2  # restored guests kept ready per template
     shutdown_action: str = "pause"  # what SIGTERM does to running sandboxes: pause or kill
+    # This node's share of the sandbox network slots (see aenv.network.slots); nodes sharing a
+    # host need disjoint ranges, and a node only ever cleans up namespaces of its own range.
+    slot_first: int = 0
+    slot_count: int = 1024
     evict_interval: float = 1.0
     log_level: str = "INFO"
 
@@ -59,6 +63,8 @@ class Settings:
                 problems.append(f"{name} must be positive")
         if self.vcpus < 0:
             problems.append("vcpus must not be negative")
+        if self.slot_first < 0 or self.slot_count < 1:
+            problems.append("slot_first must not be negative and slot_count must be positive")
         if self.warm_pool_size < 0:
             problems.append("warm_pool_size must not be negative")
         if problems:

@@ -24,6 +24,7 @@ from .api.server import NodeAPI
 from .config import Settings, load_settings
 from .guest.artifacts import ensure_guest_artifacts
 from .network.pool import NetworkPool
+from .network.slots import SlotAllocator
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
@@ -81,7 +82,11 @@ class Node:
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         repository = SnapshotRepository(home / "repository")
         repository.cleanup_staging(older_than=0)
-        self.networks = NetworkPool(size=max(2, settings.warm_pool_size))
+        self.networks = NetworkPool(
+            size=max(2, settings.warm_pool_size),
+            prefix=f"aenv-s{settings.slot_first}-",
+            slots=SlotAllocator(settings.slot_first, settings.slot_count),
+        )
         engine = SnapshotEngine(home, repository, artifacts, choice.accel, networks=self.networks)
         self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())

@@ -48,6 +48,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "AENV_API_KEY": API_KEY,
         "AENV_API_ADDR": f"127.0.0.1:{port}",
         "AENV_WARM_POOL_SIZE": "1",
+        "AENV_SLOT_FIRST": "4096",  # network slots apart from other nodes the suite runs
     }
     log = home / "server.log"
     with log.open("wb") as out:
