@@ -5,9 +5,9 @@ node's process, every QEMU process whose command line names its home and every `
 network namespace that appeared while it ran are tracked, so teardown leaves nothing behind,
 also when a test fails or the node has to be killed.
 
-Only one node can run on a host at a time (its network pool owns the `aenv-slot-*`
-namespaces and slot range), so the restart test restarts this session node rather than
-starting a second one.
+The node gets a network slot range of its own, so other nodes on the host are left alone;
+the restart test crashes and restarts this session node rather than starting a second one
+(no second template build).
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# Namespaces a node creates: its pool's slots, template builds, sandboxes started without the pool.
-NODE_NETNS = re.compile(r"aenv-(slot-\d+|b[0-9a-z]{10}|i[0-9a-z]{20}|w[0-9a-f]{12})")
+# This node's network slots: apart from the defaults (0) and the CLI tests' nodes (4096).
+SLOT_FIRST = 8192
+# Namespaces this node creates: its pool's slots, template builds, sandboxes and warm guests
+# started without the pool.
+NODE_NETNS = re.compile(rf"aenv-(s{SLOT_FIRST}-\d+|b[0-9a-z]{{10}}|i[0-9a-z]{{20}}|w[0-9a-f]{{12}})")
 API_KEY = "e2b_" + "5a" * 20
 START_TIMEOUT = 540.0  # the first start builds the base template (~15 s alone, minutes on a busy host)
 
@@ -94,6 +97,8 @@ class NodeServer:
             AENV_API_ADDR=self.addr,
             AENV_WARM_POOL_SIZE="1",
             AENV_EVICT_INTERVAL="1",
+            AENV_SLOT_FIRST=str(SLOT_FIRST),
+            AENV_SLOT_COUNT="256",
             AENV_LOG_LEVEL="INFO",
         )
         env.update({f"AENV_{k.upper()}": v for k, v in self.settings.items()})
