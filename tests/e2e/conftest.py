@@ -196,6 +196,20 @@ class NodeServer:
         return forced
 
 
+@pytest.fixture
+def crashable_node(node: NodeServer) -> Iterator[NodeServer]:
+    """The session node, for a test that crashes it: afterwards it is stopped cleanly, whatever
+    the crash left behind (QEMU processes under its home) is killed, and it is started again, so
+    the tests after this one get a node in a known state."""
+    try:
+        yield node
+    finally:
+        forced = node.cleanup()
+        if forced:
+            print(f"\nafter the crash test, cleaned up by force: {', '.join(forced)}", file=sys.stderr)
+        node.start()
+
+
 @pytest.fixture(scope="session")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeServer]:
     """The session's node, with the E2B SDK's environment variables pointing at it."""
