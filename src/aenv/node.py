@@ -88,6 +88,8 @@ class Node:
             slots=SlotAllocator(settings.slot_first, settings.slot_count),
         )
         engine = SnapshotEngine(home, repository, artifacts, choice.accel, networks=self.networks)
+        if leftovers := engine.cleanup_warm_leftovers():
+            log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)

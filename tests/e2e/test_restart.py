@@ -51,25 +51,12 @@ def crash_with(sandboxes: Sandboxes, node: NodeServer) -> dict:
     }
 
 
-ADOPTION_BUG = (
-    "a sandbox running at the crash was lost: engine.adopt() checks that QEMU's cmdline names "
-    "sandboxes/<id>, but a sandbox taken from the warm pool runs a QEMU spawned under "
-    "runtime/warm/<entry> (the directory is only renamed), so the restarted node forgets it"
-)
-LEAK_BUG = (
-    "QEMU processes of the crashed node outlive it unowned: nothing kills its warm-pool guests, nor "
-    "the VM of a sandbox whose adoption failed (Orchestrator._recover -> engine.kill(state) only "
-    "frees files and network)"
-)
-
-
 def test_sigkill_restart_keeps_every_sandbox(sandboxes: Sandboxes, crashable_node: NodeServer) -> None:
-    """Hard checks for what works; the known bugs end the test as an xfail naming them, so any
-    other failure (or a regression of what works) still fails it."""
+    """After a SIGKILL of the node, the paused sandbox resumes and the running one was adopted:
+    none is lost, and no QEMU of the crashed process is left behind."""
     crash = crash_with(sandboxes, crashable_node)
     paused_id, paused_pid = crash["paused"]
     running_id, counter_pid = crash["running"]
-    known_bugs = []
 
     mine = SandboxQuery(metadata={"e2e": sandboxes.tag})
     listed = {s.sandbox_id: s for s in Sandbox.list(query=mine).next_items()}
@@ -79,26 +66,17 @@ def test_sigkill_restart_keeps_every_sandbox(sandboxes: Sandboxes, crashable_nod
     assert resumed.files.read("/tmp/state") == "paused before the crash"
     assert paused_pid in [p.pid for p in resumed.commands.list()]
 
-    if running_id not in listed:
-        known_bugs.append(ADOPTION_BUG)
-    else:
-        # adopted: paused (or still running), never dropped
-        assert listed[running_id].state in (SandboxState.PAUSED, SandboxState.RUNNING)
-        adopted = Sandbox.connect(running_id)
-        assert adopted.files.read("/tmp/state") == "running at the crash"
-        assert counter_pid in [p.pid for p in adopted.commands.list()]
-        before = int(adopted.files.read("/tmp/count"))
-        wait_until(lambda: int(adopted.files.read("/tmp/count")) > before, 20, what="the counter to go on")
-        assert adopted.kill()
+    assert running_id in listed, "the sandbox running at the crash was lost"
+    assert listed[running_id].state in (SandboxState.PAUSED, SandboxState.RUNNING)
+    adopted = Sandbox.connect(running_id)
+    assert adopted.files.read("/tmp/state") == "running at the crash"
+    assert counter_pid in [p.pid for p in adopted.commands.list()]
+    before = int(adopted.files.read("/tmp/count"))
+    wait_until(lambda: int(adopted.files.read("/tmp/count")) > before, 20, what="the counter to go on")
+    assert adopted.kill()
     assert resumed.kill()
 
     # Every QEMU of the crashed process was adopted (and killed just above) or cleaned up.
-    try:
-        wait_until(lambda: not [pid for pid in crash["old_qemus"] if alive(pid)], 20, what="old QEMUs")
-    except AssertionError:
-        known_bugs.append(LEAK_BUG)
-
-    if known_bugs:
-        pytest.xfail(" | ".join(known_bugs))
+    wait_until(lambda: not [pid for pid in crash["old_qemus"] if alive(pid)], 20, what="old QEMUs")
     fresh = sandboxes.create()
     assert fresh.commands.run("echo after restart").stdout == "after restart\n"

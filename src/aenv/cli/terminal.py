@@ -159,7 +159,6 @@ class Session:
         return f"Lost the connection to sandbox {sandbox_id}. Run `aenv cn {sandbox_id}` to reconnect."
 
     async def run(self) -> int:
-        pid, events = await self._start()
         loop = asyncio.get_running_loop()
         saved = termios.tcgetattr(self.stdin) if os.isatty(self.stdin) else None
         main = asyncio.current_task()
@@ -168,8 +167,11 @@ class Session:
         helpers: list[asyncio.Task[None]] = []
         code, notice = LOST, "Session closed by a signal."
         try:
+            # Raw before the session starts, as ssh does: keys typed meanwhile are not echoed locally.
             if saved is not None:
                 tty.setraw(self.stdin, termios.TCSANOW)
+            pid, events = await self._start()
+            if saved is not None:
                 loop.add_signal_handler(signal.SIGWINCH, self._on_resize)
             for sig in watched:
                 loop.add_signal_handler(sig, main.cancel)

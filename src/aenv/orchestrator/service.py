@@ -168,6 +168,9 @@ class Orchestrator:
             log.info("sandbox %s outlived the node process and was paused", record.sandbox_id)
         except (EngineError, OSError) as exc:
             log.error("sandbox %s was lost with the previous node process: %s", record.sandbox_id, exc)
+            network = networks.get(state.network_name)
+            if network is not None:
+                network.destroy()  # the pool's own object, so its slot is freed
             with contextlib.suppress(Exception):
                 await self.engine.kill(state)
             self._forget(sandbox)

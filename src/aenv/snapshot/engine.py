@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 MACHINE_TYPE = "microvm"
 QEMU_BINARY_NAME = b"qemu-system"
 STATE_FILE = "state.json"
+WARM_FILE = "warm.json"
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,7 @@ class SnapshotEngine:
                 deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
                 return await self._launch(state, manifest, deltas, self._template_stream(manifest), init)
             workdir = self.workdir(sandbox_id)
+            (warm.workdir / WARM_FILE).unlink(missing_ok=True)
             warm.workdir.rename(workdir)
             warm.vm.workdir = workdir
             self.repository.release(manifest.id, warm.entry_id)
@@ -388,6 +391,8 @@ class SnapshotEngine:
             deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
             await self._load(vm, manifest, deltas, self._template_stream(manifest))
             await EnvdLink(network).init(GuestInit().payload(), timeout=60)
+            record = {"pid": vm.pid, "snapshot_id": manifest.id, "top_layer": top, "network": network.name}
+            (workdir / WARM_FILE).write_text(json.dumps(record))
         except BaseException:
             if vm is not None:
                 await vm.kill()
@@ -606,14 +611,8 @@ class SnapshotEngine:
 
         `network` is its namespace as the network pool re-adopted it, if the pool made it.
         """
-        if state.paused or state.pid is None:
-            raise EngineError(f"sandbox {state.sandbox_id} has no running VM to adopt")
-        try:
-            cmdline = Path(f"/proc/{state.pid}/cmdline").read_bytes()
-        except OSError as exc:
-            raise EngineError(f"the VM of sandbox {state.sandbox_id} is gone") from exc
-        if QEMU_BINARY_NAME not in cmdline or str(self.workdir(state.sandbox_id)).encode() not in cmdline:
-            raise EngineError(f"process {state.pid} is not the VM of sandbox {state.sandbox_id}")
+        if state.paused or not self._is_our_vm(state.pid, state.disk_layers):
+            raise EngineError(f"sandbox {state.sandbox_id} has no running VM left to adopt")
         manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
         workdir = self.workdir(state.sandbox_id)
         vm = await VirtualMachine.adopt(
@@ -638,11 +637,49 @@ class SnapshotEngine:
     def load_state(self, sandbox_id: str) -> SandboxState:
         return SandboxState.load(self.workdir(sandbox_id))
 
+    def _is_our_vm(self, pid: int | None, layers: list[str]) -> bool:
+        """Whether `pid` is a QEMU started on one of these disk layers: a VM's identity after a crash.
+
+        Layer ids are random, and QEMU's command line names the top layer it was started on.
+        """
+        if pid is None:
+            return False
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return QEMU_BINARY_NAME in cmdline and any(
+            str(self.layers.path(i)).encode() in cmdline for i in layers
+        )
+
+    def _kill_stray(self, pid: int | None, layers: list[str]) -> None:
+        """Kill a VM a previous node process left behind (identified, not guessed by name)."""
+        if self._is_our_vm(pid, layers):
+            assert pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def cleanup_warm_leftovers(self) -> int:
+        """At start-up: end the warm VMs of a node process that did not stop cleanly."""
+        leftovers = 0
+        for record in self.runtime_dir.glob(f"warm/*/{WARM_FILE}"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                warm = json.loads(record.read_text())
+                self._kill_stray(warm["pid"], [warm["top_layer"]])
+                SandboxNetwork(warm["network"]).destroy()
+                self.layers.remove(warm["top_layer"])
+                self.repository.release(warm["snapshot_id"], record.parent.name)
+                leftovers += 1
+            shutil.rmtree(record.parent, ignore_errors=True)
+        return leftovers
+
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         """End a running or paused sandbox and free everything it owns."""
         state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
         if isinstance(sandbox, SandboxVM):
             await sandbox.guest.destroy(keep_files=True)
+        else:
+            self._kill_stray(state.pid, state.disk_layers)
         SandboxNetwork(state.network_name).destroy()
         self.layers.remove(state.disk_layers[-1])
         shutil.rmtree(self.workdir(state.sandbox_id), ignore_errors=True)
