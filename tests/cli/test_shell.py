@@ -83,6 +83,7 @@ def test_interactive_shell(cli: CLI, sandbox: str) -> None:
     term = Terminal(cli, "connect", sandbox)
     cooked = term.modes()
     try:
+        term.expect(rb"\$ ")  # the remote prompt: the session is up and the local terminal raw
         term.send(b"export PS1='READY> '\r")
         term.expect(b"READY> ")
         # Raw mode: the local terminal neither echoes nor interprets; the remote PTY does.
@@ -96,7 +97,7 @@ def test_interactive_shell(cli: CLI, sandbox: str) -> None:
         term.expect(rb"40 120\r\n")
 
         term.send(b"echo $((6 * 7))\r")
-        term.expect(rb"\r\n42\r\n")
+        term.expect(rb"[\r\n]42\r\n")
         term.send(b"sleep 600\r")
         time.sleep(1.0)
         started = time.monotonic()
@@ -134,6 +135,7 @@ def test_session_ends_cleanly_when_the_sandbox_is_paused(cli: CLI, sandbox: str)
     term = Terminal(cli, "cn", sandbox)
     cooked = term.modes()
     try:
+        term.expect(rb"\$ ")  # the remote prompt: keys typed before it would be echoed locally
         term.send(b"echo attached\r")
         term.expect(b"attached")
         cli.ok("pause", sandbox)

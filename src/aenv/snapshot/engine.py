@@ -678,9 +678,10 @@ class SnapshotEngine:
         state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
         if isinstance(sandbox, SandboxVM):
             await sandbox.guest.destroy(keep_files=True)
-        else:
+        elif not state.paused:  # left running by a crashed node: its VM and namespace are strays
             self._kill_stray(state.pid, state.disk_layers)
-        SandboxNetwork(state.network_name).destroy()
+            SandboxNetwork(state.network_name).destroy()
+        # A paused sandbox has no network: the name it had may belong to another sandbox by now.
         self.layers.remove(state.disk_layers[-1])
         shutil.rmtree(self.workdir(state.sandbox_id), ignore_errors=True)
         self.repository.release(state.snapshot_id, state.sandbox_id)
