@@ -31,6 +31,10 @@ $(VENV)/.installed: pyproject.toml
 artifacts: venv
 	$(PY) -m aenv.guest.artifacts
 
+# Snapshot-engine latencies on real VMs (the API-level harness of issue 6 is still to come).
+bench: venv artifacts
+	$(PY) -m bench.engine_bench $(BENCH_ARGS)
+
 lint: venv
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
