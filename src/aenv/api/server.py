@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from .. import __version__
 from ..guest.envd import ENVD_VERSION
-from ..orchestrator.service import CreateRequest, Orchestrator, Sandbox, SandboxError
+from ..orchestrator.service import CreateRequest, Orchestrator, Sandbox, SandboxError, catalog_name
 from ..orchestrator.store import api_state
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
@@ -367,7 +367,7 @@ class NodeAPI:
         body = await parse(request, schemas.SnapshotRequest, required=False)
         if body.memory is False:
             raise SandboxError(400, "filesystem-only snapshots are not supported: snapshots keep memory")
-        name = body.name.rsplit("/", 1)[-1].split(":", 1)[0].lower() if body.name else None
+        name = catalog_name(body.name).lower() if body.name else None
         manifest = await self.orchestrator.snapshot(self._sandbox(request), name)
         return web.json_response(views.snapshot_info(manifest), status=201)
 
@@ -397,15 +397,14 @@ class NodeAPI:
         if sandbox_id := request.query.get("sandboxID"):
             snapshots = [m for m in snapshots if m.source.get("sandbox_id") == sandbox_id]
         if name := request.query.get("name"):
-            name = name.rsplit("/", 1)[-1].split(":", 1)[0]
+            name = catalog_name(name)
             snapshots = [m for m in snapshots if name in (m.id, m.alias)]
         infos = [views.snapshot_info(m) for m in snapshots]
         return _paginate(request, infos, lambda item: (item["createdAt"], item["snapshotID"]))
 
     def _manifest(self, reference: str, kind: str | None = None) -> SnapshotManifest:
-        name = reference.rsplit("/", 1)[-1].split(":", 1)[0]
         try:
-            manifest = self.orchestrator.engine.repository.get(name)
+            manifest = self.orchestrator.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, InvalidName):
             raise SandboxError(404, f"'{reference}' not found") from None
         if kind is not None and manifest.kind != kind:

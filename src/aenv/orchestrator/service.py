@@ -78,6 +78,11 @@ def egress_policy(allow_internet: bool | None, network: dict[str, Any]) -> Egres
         raise SandboxError(400, str(exc)) from exc
 
 
+def catalog_name(reference: str) -> str:
+    """A template or snapshot reference as E2B spells it (`namespace/name:tag`) reduced to its name."""
+    return reference.rsplit("/", 1)[-1].split(":", 1)[0]
+
+
 def new_sandbox_id() -> str:
     """`i` + 20 characters of [a-z0-9], as E2B's: no dashes or dots, which would break host routing."""
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
@@ -206,9 +211,8 @@ class Orchestrator:
 
     def resolve_template(self, reference: str) -> SnapshotManifest:
         """A template or snapshot by id or alias; `namespace/` prefixes and `:tag` suffixes are ignored."""
-        name = reference.rsplit("/", 1)[-1].split(":", 1)[0]
         try:
-            return self.engine.repository.get(name)
+            return self.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, RepositoryError):
             raise SandboxError(404, f"template '{reference}' not found") from None
 
