@@ -34,6 +34,10 @@ class Settings:
     max_timeout: int = 24 * 3600
     max_fork_count: int = 16
     warm_pool_size: int = 2  # restored guests kept ready per template
+    # A paused sandbox keeps its stopped QEMU process this long (0: not at all) for an instant
+    # resume, at most park_max of them, fewer when host memory runs short (aenv.snapshot.parking).
+    park_seconds: float = 300.0
+    park_max: int = 128
     shutdown_action: str = "pause"  # what SIGTERM does to running sandboxes: pause or kill
     # This node's share of the sandbox network slots (see aenv.network.slots); nodes sharing a
     # host need disjoint ranges, and a node only ever cleans up namespaces of its own range.
@@ -65,8 +69,9 @@ class Settings:
             problems.append("vcpus must not be negative")
         if self.slot_first < 0 or self.slot_count < 1:
             problems.append("slot_first must not be negative and slot_count must be positive")
-        if self.warm_pool_size < 0:
-            problems.append("warm_pool_size must not be negative")
+        for name in ("warm_pool_size", "park_seconds", "park_max"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative")
         if problems:
             raise ConfigError("; ".join(problems))
         return self

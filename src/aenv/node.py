@@ -28,6 +28,7 @@ from .network.slots import SlotAllocator
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
+from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound, SnapshotRepository
 from .vmm.accel import choose_accelerator
 
@@ -87,7 +88,10 @@ class Node:
             prefix=f"aenv-s{settings.slot_first}-",
             slots=SlotAllocator(settings.slot_first, settings.slot_count),
         )
-        engine = SnapshotEngine(home, repository, artifacts, choice.accel, networks=self.networks)
+        parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
+        engine = SnapshotEngine(
+            home, repository, artifacts, choice.accel, networks=self.networks, parking=parking
+        )
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))

@@ -150,6 +150,8 @@ class Orchestrator:
             self.sandboxes[record.sandbox_id] = sandbox
             if record.state != PAUSED:
                 await self._recover(sandbox, networks or {})
+            else:
+                await self._settle(sandbox)
         self._evictor = asyncio.create_task(self._evict_forever())
 
     async def _recover(self, sandbox: Sandbox, networks: dict[str, SandboxNetwork]) -> None:
@@ -165,6 +167,7 @@ class Orchestrator:
             return
         if state.paused:
             self._mark_paused(sandbox)
+            await self._settle(sandbox)
             return
         try:
             vm = await self.engine.adopt(state, record.envd_token, networks.get(state.network_name))
@@ -178,6 +181,16 @@ class Orchestrator:
                 network.destroy()  # the pool's own object, so its slot is freed
             with contextlib.suppress(Exception):
                 await self.engine.kill(state)
+            self._forget(sandbox)
+
+    async def _settle(self, sandbox: Sandbox) -> None:
+        """A paused sandbox whose process the previous node process kept: save it, end the process."""
+        try:
+            await self.engine.settle_paused(self.engine.load_state(sandbox.id))
+        except (EngineError, OSError, LookupError) as exc:
+            log.error("paused sandbox %s was lost with the previous node process: %s", sandbox.id, exc)
+            with contextlib.suppress(Exception):
+                await self.engine.kill(self.engine.load_state(sandbox.id))
             self._forget(sandbox)
 
     async def close(self) -> None:

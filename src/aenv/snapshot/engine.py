@@ -41,6 +41,7 @@ from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
 from ..vmm.machine import SERIAL_LOG, MachineConfig, MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from .parking import ParkedVM, ParkingLot, ParkingPolicy
 from .repository import GcReport, SnapshotRepository
 from .warm_pool import WarmPool, WarmVM
 
@@ -149,6 +150,7 @@ class SnapshotEngine:
         *,
         networks: NetworkPool | None = None,
         incoming_timeout: float = 60.0,
+        parking: ParkingPolicy | None = None,
     ):
         self.repository = repository
         self.artifacts = artifacts
@@ -159,12 +161,18 @@ class SnapshotEngine:
         self.incoming_timeout = incoming_timeout
         self.networks = networks
         self.pool = WarmPool(self._spawn_warm, self._discard_warm)
+        # Off unless asked for: without it, every pause ends the QEMU process at once.
+        self.parked = ParkingLot(parking or ParkingPolicy(max_seconds=0), self._release_parked)
         self._qemu_version: str | None = None
         for directory in (self.sandboxes_dir, self.runtime_dir):
             directory.mkdir(parents=True, exist_ok=True)
 
     async def close(self) -> None:
-        """End the warm VMs; sandboxes are left as they are (the caller pauses or kills them)."""
+        """End the warm VMs and parked processes; running sandboxes are left to the caller.
+
+        Pauses after this end the QEMU process at once.
+        """
+        await self.parked.close()
         await self.pool.close()
 
     # -- machine identity ------------------------------------------------------------------
@@ -237,6 +245,7 @@ class SnapshotEngine:
             )  # fmt: skip
             guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
             await self._prepare_template(guest, runtime, ready_timeout)
+            guest.envd.close()  # clones should not inherit an open connection to this host
             await guest.vm.command("stop")
             await self._save_full_state(guest.vm, staging)
             await guest.vm.command("quit")
@@ -334,8 +343,15 @@ class SnapshotEngine:
         self, snapshot: str, sandbox_id: str, init: GuestInit, policy: EgressPolicy | None = None
     ) -> SandboxVM:
         """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
-        policy = policy or EgressPolicy()
         manifest = self.repository.acquire(snapshot, sandbox_id)
+        try:
+            return await self._start(manifest, sandbox_id, init, policy or EgressPolicy())
+        finally:
+            self.pool.refill(manifest.id)
+
+    async def _start(
+        self, manifest: SnapshotManifest, sandbox_id: str, init: GuestInit, policy: EgressPolicy
+    ) -> SandboxVM:
         warm = self.pool.take(manifest.id)
         try:
             await self._check_runnable(manifest)
@@ -363,7 +379,7 @@ class SnapshotEngine:
             self.repository.release(manifest.id, warm.entry_id)
             if warm.network.policy != policy and self.networks is not None:
                 await warm.network.apply_policy(policy)
-            return await self._identify(state, manifest, warm.vm, warm.network, init)
+            return await self._identify(state, manifest, warm.vm, warm.network, init, warm.envd)
         except BaseException:
             self.layers.remove(top)
             self.repository.release(manifest.id, sandbox_id)
@@ -390,7 +406,8 @@ class SnapshotEngine:
             vm = await self._spawn_clone(manifest, top, workdir, network)
             deltas = [self.repository.blob_path(d) for d in manifest.memory_deltas]
             await self._load(vm, manifest, deltas, self._template_stream(manifest))
-            await EnvdLink(network).init(GuestInit().payload(), timeout=60)
+            envd = EnvdLink(network)
+            await envd.init(GuestInit().payload(), timeout=60)
             record = {"pid": vm.pid, "snapshot_id": manifest.id, "top_layer": top, "network": network.name}
             (workdir / WARM_FILE).write_text(json.dumps(record))
         except BaseException:
@@ -403,9 +420,10 @@ class SnapshotEngine:
             shutil.rmtree(workdir, ignore_errors=True)
             self.repository.release(snapshot_id, entry_id)
             raise
-        return WarmVM(entry_id, manifest.id, vm, network, top, workdir)
+        return WarmVM(entry_id, manifest.id, vm, network, envd, top, workdir)
 
     async def _discard_warm(self, warm: WarmVM) -> None:
+        warm.envd.close()
         await warm.vm.kill()
         warm.network.destroy()
         self.layers.remove(warm.top_layer)
@@ -506,9 +524,14 @@ class SnapshotEngine:
         vm: VirtualMachine,
         network: SandboxNetwork,
         init: GuestInit,
+        envd: EnvdLink | None = None,
     ) -> SandboxVM:
-        """`/init` a running guest as this sandbox (token, variables, clock, entropy) and record it."""
-        envd = EnvdLink(network, init.access_token)
+        """`/init` a running guest as this sandbox (token, variables, clock, entropy) and record it.
+
+        `envd` is the guest's existing link, whose kept-alive connection makes `/init` cheaper.
+        """
+        envd = envd or EnvdLink(network)
+        envd.access_token = init.access_token
         try:
             await envd.init(init.payload(), timeout=30)
         except BaseException:
@@ -536,37 +559,88 @@ class SnapshotEngine:
     async def _capture(self, sandbox: SandboxVM, directory: Path, stem: str) -> tuple[Path, Path]:
         """With the guest stopped: its device state and changed pages, written under `directory`."""
         devices = directory / f"{stem}.devices"
-        delta = directory / f"{stem}.delta"
         await sandbox.vm.command("xen-save-devices-state", filename=str(devices), live=False)
-        image = self.repository.blob_path(sandbox.manifest.memory_image)
-        start, end = memory.find_mapping(sandbox.vm.pid, image)
-        await asyncio.to_thread(memory.capture_delta, sandbox.vm.pid, start, end, delta)
+        delta = directory / f"{stem}.delta"
+        await self._capture_memory(sandbox.vm.pid, sandbox.manifest, delta)
         return devices, delta
 
+    async def _capture_memory(self, pid: int, manifest: SnapshotManifest, delta: Path) -> None:
+        """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer."""
+        start, end = memory.find_mapping(pid, self.repository.blob_path(manifest.memory_image))
+        await asyncio.to_thread(memory.capture_delta, pid, start, end, delta)
+
     async def pause(self, sandbox: SandboxVM) -> SandboxState:
-        """Save the sandbox to disk and end its QEMU process; `resume` continues it exactly."""
+        """Stop the sandbox and save it to disk; `resume` continues it exactly.
+
+        With parking on, the stopped QEMU process is kept (see `aenv.snapshot.parking`): the call
+        returns once the device state is saved, and the changed pages are written right after,
+        in the background. Otherwise both are written before the process ends.
+        """
         workdir = self.workdir(sandbox.sandbox_id)
         state = sandbox.state
+        stem = f"pause-{time.time_ns()}"
         await sandbox.vm.command("stop")
         try:
-            stem = f"pause-{time.time_ns()}"
-            devices, delta = await self._capture(sandbox, workdir, stem)
+            if self.parked.accepts():
+                devices = workdir / f"{stem}.devices"
+                await sandbox.vm.command("xen-save-devices-state", filename=str(devices), live=False)
+            else:
+                devices, delta = await self._capture(sandbox, workdir, stem)
         except BaseException:
             with contextlib.suppress(VMError):
                 await sandbox.vm.command("cont")
             raise
         previous = [state.delta, state.devices]
-        state.delta, state.devices, state.paused, state.pid = str(delta), str(devices), True, None
+        state.paused, state.devices = True, str(devices)
+        if self.parked.accepts():
+            # Until the capture is done the state names no delta, and the live process holds
+            # the memory: a restarted node finds it through `pid` and captures it (`settle_paused`).
+            state.delta = None
+            state.save(workdir)
+            capture = asyncio.create_task(self._capture_parked(sandbox, workdir / f"{stem}.delta", previous))
+            self.parked.park(sandbox.sandbox_id, sandbox, capture)
+            return state
+        state.delta, state.pid = str(delta), None
         state.save(workdir)
-        await sandbox.guest.vm.kill()
-        sandbox.guest.network.destroy()
-        for path in previous:
-            if path:
-                Path(path).unlink(missing_ok=True)
+        await sandbox.guest.destroy(keep_files=True)
+        _unlink(previous)
         return state
 
+    async def _capture_parked(self, sandbox: SandboxVM, delta: Path, previous: list[str | None]) -> None:
+        """The changed pages of a parked sandbox, after its pause returned; never raises."""
+        try:
+            await self._capture_memory(sandbox.vm.pid, sandbox.manifest, delta)
+        except Exception as exc:
+            delta.unlink(missing_ok=True)
+            log.error("saving the memory of paused sandbox %s failed, its process is kept: %s",
+                      sandbox.sandbox_id, exc)  # fmt: skip
+            return
+        sandbox.state.delta = str(delta)
+        sandbox.state.save(self.workdir(sandbox.sandbox_id))
+        _unlink(previous)
+
+    async def _release_parked(self, parked: ParkedVM) -> None:
+        """End a parked sandbox's QEMU process once its pause is on disk."""
+        sandbox = parked.sandbox
+        await parked.capture
+        if sandbox.state.delta is None:  # the capture failed: try again, and keep the process if it fails
+            delta = self.workdir(sandbox.sandbox_id) / f"pause-{time.time_ns()}.delta"
+            retry = asyncio.create_task(self._capture_parked(sandbox, delta, []))
+            await retry
+            if sandbox.state.delta is None:
+                if not self.parked.closed:
+                    self.parked.park(sandbox.sandbox_id, sandbox, retry)
+                # else: left running; the next node start captures it (`settle_paused`)
+                return
+        await sandbox.guest.destroy(keep_files=True)
+        sandbox.state.pid = None
+        sandbox.state.save(self.workdir(sandbox.sandbox_id))
+
     async def resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
-        """Continue a paused sandbox from its saved state."""
+        """Continue a paused sandbox from its saved state (or its parked process)."""
+        parked = self.parked.take(state.sandbox_id)
+        if parked is not None:
+            return await self._resume_parked(parked, init)
         if not state.paused or state.delta is None or state.devices is None:
             raise EngineError(f"sandbox {state.sandbox_id} is not paused")
         manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
@@ -576,6 +650,45 @@ class SnapshotEngine:
         prefix = self.repository.blob_path(manifest.vmstate_prefix).read_bytes()
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
         return await self._launch(state, manifest, [Path(state.delta)], stream, init)
+
+    async def _resume_parked(self, parked: ParkedVM, init: GuestInit) -> SandboxVM:
+        """`cont` the kept process and `/init` the guest; the pause stays on disk for a retry."""
+        sandbox = parked.sandbox
+        await parked.capture  # the guest must not run while its pages are being read
+        try:
+            await sandbox.vm.command("cont")
+            sandbox.envd.access_token = init.access_token
+            await sandbox.envd.init(init.payload(), timeout=30)
+        except BaseException:
+            await sandbox.guest.destroy(keep_files=True)
+            sandbox.state.pid = None
+            sandbox.state.save(self.workdir(sandbox.sandbox_id))
+            raise
+        sandbox.state.paused = False
+        sandbox.state.save(self.workdir(sandbox.sandbox_id))
+        return sandbox
+
+    async def settle_paused(self, state: SandboxState) -> None:
+        """At start-up: a sandbox paused by a node process that ended while it was parked.
+
+        Its QEMU process may have outlived that node; if the pause's pages were not written yet,
+        they are captured from it now. Either way the process is ended.
+        """
+        if not state.paused or state.pid is None:
+            return
+        workdir = self.workdir(state.sandbox_id)
+        if state.delta is None:
+            if not self._is_our_vm(state.pid, state.disk_layers):
+                raise EngineError(f"paused sandbox {state.sandbox_id} lost its memory with its QEMU process")
+            manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
+            delta = workdir / f"pause-{time.time_ns()}.delta"
+            await self._capture_memory(state.pid, manifest, delta)
+            state.delta = str(delta)
+            self._kill_stray(state.pid, state.disk_layers)
+        else:
+            self._kill_stray(state.pid, state.disk_layers)
+        state.pid = None
+        state.save(workdir)
 
     def sandbox_states(self) -> list[SandboxState]:
         """Every sandbox this node has (running or paused), as last saved."""
@@ -676,6 +789,10 @@ class SnapshotEngine:
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         """End a running or paused sandbox and free everything it owns."""
         state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
+        parked = self.parked.take(state.sandbox_id)
+        if parked is not None:
+            await parked.capture
+            sandbox, state = parked.sandbox, parked.sandbox.state
         if isinstance(sandbox, SandboxVM):
             await sandbox.guest.destroy(keep_files=True)
         elif not state.paused:  # left running by a crashed node: its VM and namespace are strays
@@ -784,3 +901,9 @@ class SnapshotEngine:
                 await self.kill(child)
             raise EngineError(f"fork failed: {failures[0]}") from failures[0]
         return started
+
+
+def _unlink(paths: list[str | None]) -> None:
+    for path in paths:
+        if path:
+            Path(path).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..network.netns import SandboxNetwork
+from ..vmm.envd_link import EnvdLink
 from ..vmm.machine import VirtualMachine
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class WarmVM:
     snapshot_id: str
     vm: VirtualMachine
     network: SandboxNetwork
+    envd: EnvdLink  # has answered once; its kept-alive connection is handed on to the sandbox
     top_layer: str
     workdir: Path
 
@@ -60,14 +62,16 @@ class WarmPool:
         ready = self._ready.setdefault(snapshot_id, [])
         while len(ready) > self._targets[snapshot_id]:
             await self._discard(ready.pop())
-        self._kick(snapshot_id)
+        self.refill(snapshot_id)
 
     def take(self, snapshot_id: str) -> WarmVM | None:
-        """A warm VM for the snapshot, if one is ready; a refill starts in the background."""
+        """A warm VM for the snapshot, if one is ready; the caller calls `refill` once it is done.
+
+        Refilling right away would make the new QEMU compete for the CPU with the guest that was
+        just taken, which is on the path of the create that took it.
+        """
         ready = self._ready.get(snapshot_id)
-        warm = ready.pop() if ready else None
-        self._kick(snapshot_id)
-        return warm
+        return ready.pop() if ready else None
 
     async def wait_filled(self, snapshot_id: str) -> None:
         """Until the snapshot's refill (if any) has finished."""
@@ -75,7 +79,8 @@ class WarmPool:
         if task is not None:
             await asyncio.shield(task)
 
-    def _kick(self, snapshot_id: str) -> None:
+    def refill(self, snapshot_id: str) -> None:
+        """Start refilling the snapshot's warm VMs up to its target in the background."""
         running = self._refills.get(snapshot_id)
         if self.target(snapshot_id) > self.ready(snapshot_id) and (running is None or running.done()):
             self._refills[snapshot_id] = asyncio.create_task(self._refill(snapshot_id))

@@ -108,6 +108,7 @@ class GuestVM:
 
     async def destroy(self, *, keep_files: bool = False) -> None:
         """Kill QEMU, remove the namespace and (unless kept) the VM directory. Idempotent."""
+        self.envd.close()
         await self.vm.kill()
         self.network.destroy()
         if not keep_files:

@@ -1,0 +1,113 @@
+"""Paused sandboxes whose stopped QEMU process is kept for a while, so resuming them is `cont`.
+
+A resume from disk spawns a new QEMU process, and under TCG a new process translates the
+guest's code afresh: the guest spends about half a second of CPU before envd answers. A kept
+process resumes in milliseconds. Pausing still makes the sandbox durable (its device state at
+once, its changed pages right after, in the background), so ending a kept process loses
+nothing; the lot ends them by age, by count and when the host runs short of memory, which is
+what keeps parked sandboxes cheap in the long run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import SandboxVM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParkingPolicy:
+    """How long, and how many, paused sandboxes keep their QEMU process."""
+
+    max_seconds: float = 300.0
+    max_count: int = 128
+    min_available: float = 0.2  # share of host RAM that must stay available, else the oldest goes
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_seconds > 0 and self.max_count > 0
+
+
+@dataclass
+class ParkedVM:
+    """A paused sandbox with its stopped QEMU process; `capture` writes its changed pages."""
+
+    sandbox: SandboxVM
+    capture: asyncio.Task[None]
+    since: float
+
+
+def host_memory_available() -> float:
+    """MemAvailable ÷ MemTotal of the host."""
+    values: dict[str, int] = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                values[key] = int(rest.split()[0])
+    return values["MemAvailable"] / values["MemTotal"]
+
+
+class ParkingLot:
+    """The parked sandboxes of one engine, oldest first; `release` ends one's process."""
+
+    def __init__(self, policy: ParkingPolicy, release: Callable[[ParkedVM], Awaitable[None]]):
+        self.policy = policy
+        self._release = release
+        self._parked: dict[str, ParkedVM] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._releasing: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def __contains__(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._parked
+
+    def accepts(self) -> bool:
+        return self.policy.enabled and not self.closed
+
+    def park(self, sandbox_id: str, sandbox: SandboxVM, capture: asyncio.Task[None]) -> None:
+        """Keep the sandbox's process; make room if the lot is over its count or memory bound."""
+        self._parked[sandbox_id] = ParkedVM(sandbox, capture, time.monotonic())
+        loop = asyncio.get_running_loop()
+        self._timers[sandbox_id] = loop.call_later(self.policy.max_seconds, self._evict, sandbox_id)
+        while len(self._parked) > self.policy.max_count:
+            self._evict(next(iter(self._parked)))
+        if host_memory_available() < self.policy.min_available:
+            self._evict(next(iter(self._parked)))
+
+    def take(self, sandbox_id: str) -> ParkedVM | None:
+        """The parked sandbox, no longer in the lot (to resume or kill it), or None."""
+        timer = self._timers.pop(sandbox_id, None)
+        if timer is not None:
+            timer.cancel()
+        return self._parked.pop(sandbox_id, None)
+
+    def _evict(self, sandbox_id: str) -> None:
+        parked = self.take(sandbox_id)
+        if parked is not None:
+            task = asyncio.get_running_loop().create_task(self._release(parked))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+
+    async def close(self) -> None:
+        """End every kept process and keep no more."""
+        self.closed = True
+        await self.release_all()
+
+    async def release_all(self) -> None:
+        """End every kept process (each pause is on disk first)."""
+        for sandbox_id in list(self._parked):
+            self._evict(sandbox_id)
+        while self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
