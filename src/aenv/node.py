@@ -120,14 +120,21 @@ class Node:
         return self.settings.domain or f"localhost:{self.settings.port}"
 
     async def _base_template(self, engine: SnapshotEngine, settings: Settings) -> str:
+        """The `base` template: built at the first start, and again when this node cannot run it."""
         try:
-            return engine.repository.get(BASE_TEMPLATE).id
+            manifest = engine.repository.get(BASE_TEMPLATE)
         except SnapshotNotFound:
             log.info("building the %s template (one boot, once per node)", BASE_TEMPLATE)
-            manifest = await engine.build_template(
-                BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
-            )
-            return manifest.id
+        else:
+            problem = await engine.incompatibility(manifest)
+            if problem is None:
+                return manifest.id
+            log.warning("the %s template cannot run here (%s): building it again", BASE_TEMPLATE, problem)
+            engine.repository.delete(manifest.id, defer=True)
+        manifest = await engine.build_template(
+            BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
+        )
+        return manifest.id
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -224,6 +224,10 @@ def test_restoring_on_a_different_machine_is_refused(
         EngineError, match=r"taken with qemu_version=9\.9\.9 but this node runs qemu_version="
     ):
         sandboxes.start(foreign.id)
+    legacy = dataclasses.replace(base_template.machine, machine_type="microvm")  # with PIT, PIC and RTC
+    problem = sandboxes.node.run(engine.incompatibility(dataclasses.replace(foreign, machine=legacy)))
+    assert problem is not None and "machine_type=microvm but this node runs machine_type=microvm," in problem
+    assert sandboxes.node.run(engine.incompatibility(base_template)) is None
     assert engine.repository.holders(foreign.id) == []
     engine.repository.delete(foreign.id)
 

@@ -38,7 +38,7 @@ from ..storage.layers import LayerStore, new_layer_id
 from ..vmm.accel import Accelerator, default_vcpus
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
-from ..vmm.machine import SERIAL_LOG, MachineConfig, MemoryMode, VirtualMachine, VMError
+from ..vmm.machine import MACHINE_TYPE, SERIAL_LOG, MachineConfig, MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .parking import ParkedVM, ParkingLot, ParkingPolicy
@@ -47,7 +47,6 @@ from .warm_pool import WarmPool, WarmVM
 
 log = logging.getLogger(__name__)
 
-MACHINE_TYPE = "microvm"
 QEMU_BINARY_NAME = b"qemu-system"
 STATE_FILE = "state.json"
 WARM_FILE = "warm.json"
@@ -186,15 +185,25 @@ class SnapshotEngine:
             self._qemu_version = out.decode().splitlines()[0].removeprefix("QEMU emulator version ").strip()
         return self._qemu_version
 
-    async def _check_runnable(self, manifest: SnapshotManifest) -> None:
-        """Refuse a snapshot taken under another QEMU build or accelerator."""
+    async def incompatibility(self, manifest: SnapshotManifest) -> str | None:
+        """Why the snapshot cannot be restored here (another QEMU build, machine or accelerator)."""
         here = MachineShape(
-            **{**manifest.machine.to_dict(), "qemu_version": await self.qemu_version(), "accel": self.accel}
+            **{
+                **manifest.machine.to_dict(),
+                "qemu_version": await self.qemu_version(),
+                "machine_type": MACHINE_TYPE,
+                "accel": self.accel,
+            }
         )
         try:
             manifest.machine.check_compatible(here)
         except ValueError as exc:
-            raise EngineError(f"snapshot {manifest.id} cannot run on this node: {exc}") from exc
+            return str(exc)
+        return None
+
+    async def _check_runnable(self, manifest: SnapshotManifest) -> None:
+        if (problem := await self.incompatibility(manifest)) is not None:
+            raise EngineError(f"snapshot {manifest.id} cannot run on this node: {problem}")
 
     async def _network(self, name: str, policy: EgressPolicy | None) -> SandboxNetwork:
         """A network from the node's pool (with egress), or a private one without any way out."""

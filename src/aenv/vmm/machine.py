@@ -34,6 +34,10 @@ RECOVERY_SOCKET = "qmp.sock"
 _QMP_FD = 3
 _TAP_FD = 4
 TCG_TRANSLATION_CACHE_MIB = 64
+# microvm without the legacy PIT, PIC and RTC: the guest runs on the local APIC timer and TSC
+# (and gets the wall clock from envd's /init). Under TCG the legacy timers alone cost an idle
+# guest more than half of its CPU time (0.8 % of a core per idle VM with them, 0.33 % without).
+MACHINE_TYPE = "microvm,pit=off,pic=off,rtc=off"
 
 
 class MemoryMode(Enum):
@@ -76,7 +80,7 @@ class MachineConfig:
         accel = "kvm" if self.accel == "kvm" else f"tcg,tb-size={TCG_TRANSLATION_CACHE_MIB}"
         argv = [
             QEMU_BINARY,
-            "-M", "microvm,memory-backend=mem",
+            "-M", f"{MACHINE_TYPE},memory-backend=mem",
             "-accel", accel,
             "-cpu", cpu,
             "-smp", str(self.vcpus),
