@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -34,8 +35,8 @@ HEADER = f"{'figure (ms)':<44} {'median':>9} {'p95':>9} {'p99':>9} {'min':>9} {'
 def percentile(samples: list[float], fraction: float) -> float:
     """Nearest-rank percentile: an actual sample, never an interpolation between two."""
     ordered = sorted(samples)
-    index = max(0, min(len(ordered) - 1, round(fraction * len(ordered) + 0.5) - 1))
-    return ordered[index]
+    rank = math.ceil(fraction * len(ordered) - 1e-9)  # the smallest rank covering `fraction` of them
+    return ordered[max(0, min(len(ordered), rank) - 1)]
 
 
 def summarize(name: str, samples_ms: list[float], *, target: str = "", unit: str = "ms") -> Figure:
