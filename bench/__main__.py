@@ -1,0 +1,75 @@
+"""Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
+
+    python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
+
+Starts its own node (`aenv server` on a temporary home, removed afterwards) unless AENV_URL names
+one (with AENV_API_KEY); floors and host figures need the node's host and are n/a then. Each row:
+median, p95, p99, min, max, n, the target, the floor measured in the same run, the ratio to it,
+and whether the target is met. Times are wall clock from the client's request to the node's
+answer, which for create, resume and fork comes only after the guest's envd answered `/init`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from .node import REPO
+from .plan import MODES
+from .profile import FORMATS
+from .run import Options, run
+from .targets import FIGURES
+
+
+def _names(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in FIGURES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown figure {', '.join(unknown)}; known: {', '.join(FIGURES)}")
+    return names
+
+
+def _terminate(pid: int) -> Callable[[int, FrameType | None], None]:
+    """SIGTERM ends the run as Ctrl-C does (figures clean up, the node is stopped). Processes that
+    pyroute2 forks inherit the handler; they end as SIGTERM's default action would end them."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        raise KeyboardInterrupt
+
+    return handler
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=sorted(MODES), default="quick")
+    parser.add_argument("--only", type=_names, default=(), metavar="NAME[,NAME]", help=", ".join(FIGURES))
+    parser.add_argument("--json", type=Path, help="result file (default: bench/results/<mode>.json)")
+    parser.add_argument(
+        "--profile", choices=FIGURES, metavar="NAME", help="py-spy the node during this figure"
+    )
+    parser.add_argument("--profile-format", choices=sorted(FORMATS), default="speedscope")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _terminate(os.getpid()))
+    options = Options(
+        mode=args.mode,
+        only=args.only,
+        json_path=args.json or REPO / "bench" / "results" / f"{args.mode}.json",
+        profile=args.profile,
+        profile_format=args.profile_format,
+    )
+    try:
+        return run(options)
+    except KeyboardInterrupt:
+        print("bench: interrupted; the node and everything it started were stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""The node's control plane and a guest's envd as the harness calls them: plain HTTP, timed by the caller.
+
+Every call checks the status the API documents for success and raises with the node's error body
+otherwise, so a figure never silently times a failure. Guest commands go through the node's proxy
+(the `E2b-Sandbox-Id`/`E2b-Sandbox-Port` headers, as the SDK sends them) with envd's Connect JSON
+protocol, so the harness needs nothing on the node's host to prepare a guest.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+import httpx
+
+from .node import DEFAULT_TIMEOUT, BenchError, Node
+
+ENVD_PORT = 49983
+_END_STREAM = 0x02
+
+
+class NodeClient:
+    """One httpx client for the API and the proxy; sandboxes are the JSON the API returns."""
+
+    def __init__(self, node: Node, *, max_connections: int = 64):
+        self.node = node
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.http = httpx.AsyncClient(
+            base_url=node.url, headers={"X-API-Key": node.api_key}, limits=limits,
+            timeout=httpx.Timeout(600.0, connect=30.0),
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def _call(self, method: str, path: str, expect: int, body: Any = None) -> Any:
+        response = await self.http.request(method, path, json=body)
+        if response.status_code != expect:
+            raise BenchError(f"{method} {path} answered {response.status_code}: {response.text[:400]}")
+        return response.json() if response.content else None
+
+    async def create(self, template: str = "base") -> dict[str, Any]:
+        return await self._call(
+            "POST", "/sandboxes", 201, {"templateID": template, "timeout": DEFAULT_TIMEOUT}
+        )
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/pause", 204)
+
+    async def resume(self, sandbox_id: str) -> dict[str, Any]:
+        """`connect` of a paused sandbox resumes it (201) and answers once envd has taken its `/init`."""
+        return await self._call("POST", f"/sandboxes/{sandbox_id}/connect", 201, {"timeout": DEFAULT_TIMEOUT})
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self._call("DELETE", f"/sandboxes/{sandbox_id}", 204)
+
+    async def detail(self, sandbox_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/sandboxes/{sandbox_id}", 200)
+
+    async def snapshot(self, sandbox_id: str) -> dict[str, Any]:
+        return await self._call("POST", f"/sandboxes/{sandbox_id}/snapshots", 201, {})
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._call("DELETE", f"/templates/{snapshot_id}", 204)
+
+    async def fork(self, sandbox_id: str, count: int) -> list[dict[str, Any]]:
+        body = {"count": count, "timeout": DEFAULT_TIMEOUT}
+        return [
+            child["sandbox"] for child in await self._call("POST", f"/sandboxes/{sandbox_id}/fork", 201, body)
+        ]
+
+    async def template(self, reference: str) -> dict[str, Any]:
+        return await self._call("GET", f"/templates/{reference}", 200)
+
+    async def envd_healthy(self, sandbox_id: str) -> bool:
+        """envd's `/health` through the node's proxy."""
+        headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
+        try:
+            return (await self.http.get("/health", headers=headers, timeout=30)).status_code == 204
+        except httpx.HTTPError:
+            return False
+
+    async def run(self, sandbox: dict[str, Any], command: str, *, timeout: float = 600.0) -> str:
+        """Run `command` with bash as root through the proxy; its stdout. Fails on a non-zero exit."""
+        process = {"cmd": "/bin/bash", "args": ["-c", command], "envs": {}}
+        payload = json.dumps({"process": process}).encode()
+        headers = {
+            "E2b-Sandbox-Id": sandbox["sandboxID"],
+            "E2b-Sandbox-Port": str(ENVD_PORT),
+            "Content-Type": "application/connect+json",
+            "Connect-Protocol-Version": "1",
+            "Connect-Timeout-Ms": str(int(timeout * 1000)),
+            "Authorization": "Basic cm9vdDo=",  # user "root", no password
+        }
+        if sandbox.get("envdAccessToken"):
+            headers["X-Access-Token"] = sandbox["envdAccessToken"]
+        body = struct.pack(">BI", 0, len(payload)) + payload
+        response = await self.http.post(
+            "/process.Process/Start", content=body, headers=headers, timeout=timeout
+        )
+        if response.status_code != 200:
+            raise BenchError(f"envd Start answered {response.status_code}: {response.text[:400]}")
+        return _command_output(command, response.content)
+
+
+def _command_output(command: str, stream: bytes) -> str:
+    """stdout of a finished Start stream (5-byte framed Connect envelopes); raises on failure."""
+    stdout, stderr = bytearray(), bytearray()
+    position = 0
+    while position + 5 <= len(stream):
+        flags, size = struct.unpack(">BI", stream[position : position + 5])
+        if position + 5 + size > len(stream):
+            break  # cut short
+        frame = json.loads(stream[position + 5 : position + 5 + size] or b"{}")
+        position += 5 + size
+        if flags & _END_STREAM:
+            if "error" in frame:
+                raise BenchError(f"{command!r} failed in the guest: {frame['error']}")
+            break
+        event = frame.get("event", {})
+        data = event.get("data", {})
+        stdout += _b64(data.get("stdout", ""))
+        stderr += _b64(data.get("stderr", ""))
+        if "end" in event:
+            end = event["end"]
+            if end.get("exitCode", 0) != 0 or not end.get("exited", True):
+                raise BenchError(
+                    f"{command!r} failed in the guest ({end}): {stderr.decode(errors='replace')}"
+                )
+            return stdout.decode(errors="replace")
+    raise BenchError(f"{command!r}: envd's stream ended without an end event")
+
+
+def _b64(text: str) -> bytes:
+    return base64.b64decode(text + "=" * (-len(text) % 4)) if text else b""

@@ -1,0 +1,128 @@
+"""Idle density: how many sandboxes from `base` the host keeps running idle, and what they cost it.
+
+Host RAM used is MemTotal - MemAvailable after the sandboxes idled, minus the same before they
+were created (the warm pool is there both times); the sum of RSS and PSS of their QEMU processes
+(`/proc/<pid>/smaps_rollup`) says how much of it they own (PSS splits the shared memory image
+among them). Overcommit is the guest RAM they were configured with over that host RAM. Creating
+stops early, without failing the figure, when a create fails or the host's MemAvailable falls
+below a reserve; the figure then says how many it reached and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .context import Context, Sandboxes, bounded
+from .report import Row
+from .stats import summarize
+
+RESERVE_MIB = 1024
+CREATE_CONCURRENCY = 4
+DENSITY_TARGET = 200
+
+
+def meminfo_mib() -> dict[str, float]:
+    values = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        values[name] = int(rest.split()[0]) / 1024
+    return values
+
+
+def host_used_mib() -> float:
+    info = meminfo_mib()
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def rss_pss_mib(pid: int) -> tuple[float, float]:
+    """RSS and PSS of a process, from smaps_rollup; zeros for a process that is gone."""
+    rss = pss = 0.0
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1]) / 1024
+    return rss, pss
+
+
+async def density(ctx: Context) -> list[Row]:
+    requested = ctx.plan.density
+    local = ctx.node.local
+    stop_reason = ""
+    before = host_used_mib() if local else None
+    async with Sandboxes(ctx.client) as sandboxes:
+        gate = asyncio.Semaphore(CREATE_CONCURRENCY)
+
+        async def one() -> None:
+            nonlocal stop_reason
+            async with gate:
+                if stop_reason:
+                    return
+                if local and meminfo_mib()["MemAvailable"] < RESERVE_MIB:
+                    stop_reason = f"host MemAvailable fell below the {RESERVE_MIB} MiB reserve"
+                    return
+                try:
+                    await sandboxes.create()
+                except Exception as exc:
+                    stop_reason = stop_reason or f"a create failed: {exc}"
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(requested)))
+        create_s = time.perf_counter() - started
+        ids = list(sandboxes.live)
+        await asyncio.sleep(ctx.plan.density_idle_s)
+
+        used = host_used_mib() - before if before is not None else None
+        load = os.getloadavg() if local else None
+        pids = ctx.node.sandbox_pids()
+        usage = [rss_pss_mib(pids[i]) for i in ids if i in pids]
+        rss, pss = sum(u[0] for u in usage), sum(u[1] for u in usage)
+
+        async def alive(sandbox_id: str) -> bool:
+            detail = await ctx.client.detail(sandbox_id)
+            return detail["state"] == "running" and await ctx.client.envd_healthy(sandbox_id)
+
+        checks = await bounded(8, [lambda i=i: alive(i) for i in ids])
+        memory_mib = (await ctx.client.detail(ids[0]))["memoryMB"] if ids else 0
+    healthy = sum(1 for c in checks if c is True)
+    configured = len(ids) * memory_mib
+    details: dict[str, Any] = {
+        "requested": requested,
+        "created": len(ids),
+        "alive": healthy,
+        "stop_reason": stop_reason or None,
+        "create_s": round(create_s, 1),
+        "idle_s": ctx.plan.density_idle_s,
+        "guest_ram_configured_mib": configured,
+        "host_ram_used_mib": used,
+        "qemu_rss_mib": rss if local else None,
+        "qemu_pss_mib": pss if local else None,
+        "load_average": load,
+    }
+    reached = f"{len(ids)} created in {create_s:.0f} s"
+    if stop_reason:
+        reached += f" (stopped: {stop_reason})"
+    note = (
+        f"{reached}; alive = state running and envd /health through the proxy after "
+        f"{ctx.plan.density_idle_s:g} s idle"
+    )
+    if requested < DENSITY_TARGET:
+        note += f"; target not judged: this mode starts {requested}, the target is {DENSITY_TARGET}"
+    alive_figure = summarize(f"idle density: alive of {requested} requested", [healthy], unit="count")
+    rows = [Row("density", alive_figure, evaluate=requested >= DENSITY_TARGET, note=note, details=details)]
+    if used is None or not ids or used <= 0:
+        return rows
+    assert load is not None
+    overcommit = summarize("idle density: overcommit (guest RAM / host RAM)", [configured / used], unit="x")
+    usage_note = (
+        f"{configured} MiB guest RAM on +{used:.0f} MiB host RAM (MemTotal-MemAvailable); QEMU RSS "
+        f"{rss:.0f} MiB, PSS {pss:.0f} MiB; load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}"
+    )
+    per_sandbox = summarize("idle density: host RAM per sandbox", [used / len(ids)], unit="MiB")
+    return [*rows, Row("density-overcommit", overcommit, note=usage_note), Row("density-ram", per_sandbox)]

@@ -1,0 +1,208 @@
+"""Control-plane figures: create, pause, resume, snapshot, fork, concurrent resumes.
+
+Each sample is wall clock from the client's request to the node's response. The node answers
+create, resume (connect), and fork only after every guest's envd has answered its `/init`, so
+that response is the moment the sandbox is usable; pause and snapshot answer once the node has
+saved what it needs (a node may keep a paused sandbox's stopped QEMU process and write its pages
+afterwards: the pause figure says whether it did). Guests are prepared through the node's proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import statistics
+import time
+from typing import Any
+
+from .context import SETTLE, Context, Sandboxes, bounded
+from .report import Row
+from .stats import summarize
+
+MARKER = "/tmp/bench-dirtied"
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+def dirty_command(mib: int) -> str:
+    """Change `mib` MiB of guest memory and keep it: a background process writes one byte per page
+    of a buffer it then holds, so the pages stay in use whatever the guest's memory management
+    does; the command returns once they are written."""
+    program = (
+        f"import signal; b = bytearray({mib} << 20); b[::4096] = b'x' * (len(b) // 4096); "
+        f"open({MARKER!r}, 'w').close(); signal.pause()"
+    )
+    return (
+        f"rm -f {MARKER}; setsid python3 -c {shlex.quote(program)} </dev/null >/dev/null 2>&1 & "
+        f"for i in $(seq 1200); do test -e {MARKER} && exit 0; sleep 0.05; done; exit 1"
+    )
+
+
+def write_command(path: str, mib: int) -> str:
+    """Write `mib` MiB of non-zero data (one random 1 MiB block, repeated) to `path`, then fsync."""
+    program = (
+        f"import os\nblock = os.urandom(1 << 20)\nwith open({path!r}, 'wb') as f:\n"
+        f"    for _ in range({mib}):\n        f.write(block)\n    f.flush()\n    os.fsync(f.fileno())\n"
+    )
+    return f"rm -f {path}; python3 -c {shlex.quote(program)}"
+
+
+def _mib(size: int | None) -> float | None:
+    return None if size is None else round(size / (1 << 20), 1)
+
+
+async def create(ctx: Context) -> list[Row]:
+    samples = []
+    note = ""
+    async with Sandboxes(ctx.client) as sandboxes:
+        for _ in range(ctx.plan.create):
+            note = await ctx.quiet()
+            started = time.perf_counter()
+            sandbox = await sandboxes.create()
+            samples.append(_ms(started))
+            await sandboxes.kill(sandbox["sandboxID"])
+    floor = await ctx.restore_floor()
+    if floor is not None:
+        note += "; the warm pool restores ahead of time, so a create can beat the bare restore (ratio < 1)"
+    figure = summarize("create (POST /sandboxes, warm pool)", samples)
+    return [Row("create", figure, floor, "bare restore", note=note)]
+
+
+async def pause_resume(ctx: Context) -> list[Row]:
+    """Pause then resume one sandbox whose guest holds `dirty_mib` MiB of changed memory, in rounds."""
+    plan = ctx.plan
+    pauses, resumes, deltas, kept = [], [], [], []
+    async with Sandboxes(ctx.client) as sandboxes:
+        sandbox = await sandboxes.create()
+        sandbox_id = sandbox["sandboxID"]
+        await ctx.client.run(sandbox, dirty_command(plan.dirty_mib))
+        for _ in range(plan.pause_resume):
+            await asyncio.sleep(SETTLE)
+            started = time.perf_counter()
+            await ctx.client.pause(sandbox_id)
+            pauses.append(_ms(started))
+            kept.append(ctx.node.process_kept(sandbox_id))
+            await asyncio.sleep(SETTLE)  # a node that keeps the process writes the delta meanwhile
+            if (size := ctx.node.pause_delta_bytes(sandbox_id)) is not None:
+                deltas.append(size)
+            started = time.perf_counter()
+            await ctx.client.resume(sandbox_id)
+            resumes.append(_ms(started))
+    captured = (
+        f", each pause captured a median {_mib(int(statistics.median(deltas)))} MiB delta" if deltas else ""
+    )
+    note = (
+        f"one sandbox, {plan.pause_resume} rounds; its guest changed {plan.dirty_mib} MiB and keeps it "
+        f"(a background process holds the buffer){captured}"
+    )
+    if ctx.node.local:
+        parked = sum(k is True for k in kept)
+        note += f"; the node kept the stopped QEMU process after {parked} of {len(kept)} pauses"
+    restore, save = await ctx.restore_floor(), await ctx.save_floor()
+    details = {"delta_bytes": deltas, "process_kept": kept}
+    return [
+        Row("pause", summarize(f"pause ({plan.dirty_mib} MiB changed)", pauses), save, "bare stop+save",
+            note=note, details=details),
+        Row("resume", summarize(f"resume (connect, {plan.dirty_mib} MiB changed)", resumes), restore,
+            "bare restore"),
+    ]  # fmt: skip
+
+
+async def snapshot(ctx: Context) -> list[Row]:
+    plan = ctx.plan
+    samples, deltas = [], []
+    write_s = []
+    async with Sandboxes(ctx.client) as sandboxes:
+        sandbox = await sandboxes.create()
+        for i in range(plan.snapshot):
+            started = time.perf_counter()
+            await ctx.client.run(sandbox, write_command(f"/root/bench-{i}.bin", plan.snapshot_write_mib))
+            write_s.append(round(time.perf_counter() - started, 1))
+            await asyncio.sleep(SETTLE)
+            started = time.perf_counter()
+            snap = await ctx.client.snapshot(sandbox["sandboxID"])
+            samples.append(_ms(started))
+            if (size := ctx.node.snapshot_delta_bytes(snap["snapshotID"])) is not None:
+                deltas.append(size)
+            await ctx.client.delete_snapshot(snap["snapshotID"])
+            await ctx.client.run(sandbox, f"rm -f /root/bench-{i}.bin")
+    written = f"{plan.snapshot_write_mib} MiB" if plan.snapshot_write_mib < 1024 else "1 GiB"
+    note = f"before each snapshot the guest wrote {written} to a new file with fsync (took {write_s} s)"
+    if deltas:
+        sizes = [_mib(d) for d in deltas]
+        note += f"; memory delta per snapshot {sizes} MiB (mostly the guest's page cache of the file)"
+    figure = summarize(f"snapshot after writing {written}", samples)
+    return [
+        Row(
+            "snapshot",
+            figure,
+            await ctx.save_floor(),
+            "bare stop+save",
+            note=note,
+            details={"delta_bytes": deltas},
+        )
+    ]
+
+
+async def fork(ctx: Context) -> list[Row]:
+    count = ctx.plan.fork_count
+    samples = []
+    async with Sandboxes(ctx.client) as sandboxes:
+        source = await sandboxes.create()
+        for _ in range(ctx.plan.fork):
+            await asyncio.sleep(SETTLE)
+            started = time.perf_counter()
+            children = await ctx.client.fork(source["sandboxID"], count)
+            samples.append(_ms(started))
+            for child in children:
+                sandboxes.track(child)
+            for child in children:
+                await sandboxes.kill(child["sandboxID"])
+    floor = await ctx.concurrent_restores(count)
+    note = f"floor: wall clock of {count} bare restores at once" if floor else ""
+    figure = summarize(f"fork into {count}, all envd-ready", samples)
+    return [Row("fork", figure, floor[1] if floor else None, f"{count} bare restores", note=note)]
+
+
+async def concurrent_resume(ctx: Context) -> list[Row]:
+    count = ctx.plan.concurrent
+    async with Sandboxes(ctx.client) as sandboxes:
+        created = await bounded(4, [sandboxes.create] * count)
+        failures = [r for r in created if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        ids: list[str] = [s["sandboxID"] for s in created if isinstance(s, dict)]
+        for result in await bounded(4, [lambda i=i: ctx.client.pause(i) for i in ids]):
+            if isinstance(result, BaseException):
+                raise result
+        await asyncio.sleep(SETTLE)
+
+        async def timed_resume(sandbox_id: str) -> float:
+            started = time.perf_counter()
+            await ctx.client.resume(sandbox_id)
+            return _ms(started)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(timed_resume(i) for i in ids), return_exceptions=True)
+        wall = _ms(started)
+    samples = [r for r in results if isinstance(r, float)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors and not samples:
+        raise errors[0]
+    floor = await ctx.concurrent_restores(count)
+    details: dict[str, Any] = {"wall_ms": wall, "failed": len(errors)}
+    note = f"all {count} requests sent at once; last answered after {wall:.0f} ms"
+    if errors:
+        note += f"; {len(errors)} failed: {errors[0]}"
+    if floor:
+        details |= {"floor_wall_ms": floor[1], "floor_p99_ms": summarize("", floor[0]).p99}
+        note += (
+            f"; floor: median of {count} bare restores at once (their p99 {details['floor_p99_ms']:.0f} ms)"
+        )
+    floor_median = statistics.median(floor[0]) if floor else None
+    figure = summarize(f"{count} concurrent resumes (per request)", samples)
+    return [
+        Row("concurrent-resume", figure, floor_median, f"{count} bare restores", note=note, details=details)
+    ]

@@ -1,0 +1,49 @@
+"""How much each mode measures: `smoke` proves the harness works, `quick` fits in a few minutes on a
+2-core TCG host, `full` is the run the targets are written for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .targets import FIGURES
+
+
+@dataclass(frozen=True)
+class Plan:
+    figures: tuple[str, ...]  # measured when `--only` names none
+    floor_samples: int
+    create: int
+    pause_resume: int  # rounds of pause then resume on one sandbox
+    dirty_mib: int  # memory the guest changes before its pauses
+    snapshot: int
+    snapshot_write_mib: int  # written to the guest's disk (with fsync) before each snapshot
+    fork: int
+    fork_count: int
+    concurrent: int  # sandboxes resumed at once
+    proxy_rtt: int  # commands.run("true") calls per path
+    throughput_mib: int
+    throughput_rounds: int  # downloads per path, alternating direct and proxied
+    density: int
+    density_idle_s: float
+
+
+MODES: dict[str, Plan] = {
+    "smoke": Plan(
+        figures=("create", "pause", "resume", "proxy-rtt"),
+        floor_samples=2, create=2, pause_resume=2, dirty_mib=64, snapshot=1, snapshot_write_mib=64,
+        fork=1, fork_count=4, concurrent=4, proxy_rtt=5, throughput_mib=16, throughput_rounds=1,
+        density=4, density_idle_s=2,
+    ),
+    "quick": Plan(
+        figures=FIGURES,
+        floor_samples=5, create=5, pause_resume=5, dirty_mib=64, snapshot=2, snapshot_write_mib=1024,
+        fork=1, fork_count=16, concurrent=16, proxy_rtt=30, throughput_mib=256, throughput_rounds=2,
+        density=24, density_idle_s=10,
+    ),
+    "full": Plan(
+        figures=FIGURES,
+        floor_samples=20, create=20, pause_resume=20, dirty_mib=64, snapshot=5, snapshot_write_mib=1024,
+        fork=3, fork_count=16, concurrent=50, proxy_rtt=100, throughput_mib=1024, throughput_rounds=3,
+        density=200, density_idle_s=60,
+    ),
+}  # fmt: skip
