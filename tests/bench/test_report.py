@@ -1,0 +1,122 @@
+"""The harness's arithmetic and presentation: summaries, targets, rows, the table, the JSON, parsing."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from bench.client import _command_output
+from bench.node import BenchError
+from bench.plan import MODES
+from bench.report import Row, table, write_json
+from bench.run import Options, _wanted
+from bench.stats import percentile, summarize
+from bench.targets import FIGURES, TARGETS, Target
+
+
+def test_summary_statistics_are_actual_samples():
+    samples = [float(v) for v in range(1, 101)]
+    figure = summarize("x", samples)
+    assert (figure.count, figure.median, figure.min, figure.max) == (100, 50.5, 1.0, 100.0)
+    assert (figure.p95, figure.p99) == (95.0, 99.0)
+    assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0
+    assert percentile([7.0], 0.5) == 7.0
+    with pytest.raises(ValueError):
+        summarize("empty", [])
+
+
+def test_targets_cover_every_figure_and_read_as_written():
+    assert set(FIGURES) <= set(TARGETS)
+    assert str(TARGETS["create"]) == "median <= 20 ms"
+    assert str(TARGETS["concurrent-resume"]) == "p99 <= 250 ms"
+    assert str(TARGETS["proxy-rtt"]) == "ratio <= 1.5x"
+    assert str(TARGETS["density"]) == ">= 200 sandboxes"
+    assert Target("median", "<=", 20).holds(20) and not Target("median", "<=", 20).holds(20.1)
+    assert Target("ratio", ">=", 0.8).holds(0.8) and not Target("ratio", ">=", 0.8).holds(0.79)
+
+
+def test_row_judges_its_target_statistic():
+    fast = summarize("create", [10.0, 12.0, 50.0])
+    assert Row("create", fast).met is True  # the median counts, not the max
+    assert Row("create", summarize("create", [25.0, 30.0])).met is False
+    spiky = summarize("resumes", [10.0] * 99 + [400.0])
+    assert Row("concurrent-resume", spiky).met is True  # p99 is the 99th of 100 samples
+    assert Row("concurrent-resume", summarize("resumes", [10.0] * 98 + [400.0] * 2)).met is False
+
+
+def test_ratio_to_floor_and_missing_inputs():
+    proxied = summarize("rtt", [3.0, 3.0, 3.0])
+    row = Row("proxy-rtt", proxied, floor=2.0, floor_name="direct")
+    assert row.ratio == 1.5 and row.met is True
+    assert Row("proxy-rtt", proxied, floor=None, floor_name="direct").met is None  # remote node: n/a
+    megabytes = summarize("tp", [70.0], unit="MB/s")
+    throughput = Row("proxy-throughput", megabytes, floor=100.0, floor_name="direct")
+    assert throughput.ratio == pytest.approx(0.7) and throughput.met is False
+    assert Row("density", summarize("alive", [24.0]), evaluate=False).met is None
+    assert Row("density", summarize("alive", [200.0])).met is True
+    assert Row("floor-restore", summarize("floor", [1.0])).met is None  # no target
+
+
+def test_table_has_one_line_per_row_and_the_notes():
+    rows = [
+        Row("create", summarize("create (warm pool)", [30.0, 40.0]), 60.0, "bare restore", note="waited"),
+        Row("proxy-rtt", summarize("proxy round trip", [2.0]), None, "direct"),
+        Row("floor-save", summarize("floor: save", [3.0, 4.0])),
+    ]
+    text = table(rows)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["figure", "unit", "median"]
+    create = next(line for line in lines if line.startswith("create (warm pool)"))
+    assert "median <= 20 ms" in create and "0.58x" in create and create.rstrip().endswith("NO")
+    rtt = next(line for line in lines if line.startswith("proxy round trip"))
+    assert rtt.split()[-2:] == ["n/a", "-"]  # no floor from a remote node, so not judged
+    assert "notes:" in lines and any("waited" in line for line in lines)
+    assert len({len(line) for line in lines[:5]}) == 1  # fixed width
+
+
+def test_json_document(tmp_path: Path):
+    rows = [Row("pause", summarize("pause", [9.0, 11.0]), 3.0, "bare stop+save", details={"kept": [True]})]
+    path = tmp_path / "out" / "quick.json"
+    write_json(path, rows, {"mode": "quick", "errors": []})
+    document = json.loads(path.read_text())
+    assert document["mode"] == "quick"
+    (figure,) = document["figures"]
+    assert figure["key"] == "pause" and figure["median"] == 10.0 and figure["count"] == 2
+    assert figure["target"] == "median <= 15 ms" and figure["met"] is True
+    assert figure["floor"] == 3.0 and figure["ratio"] == pytest.approx(10 / 3)
+    assert figure["details"] == {"kept": [True]}
+
+
+def test_selection_and_companion_rows():
+    options = Options(mode="smoke", only=(), json_path=Path("x.json"))
+    assert options.selected == MODES["smoke"].figures
+    assert Options(mode="quick", only=("fork",), json_path=Path("x.json")).selected == ("fork",)
+    assert _wanted("density-overcommit", ("density",))
+    assert _wanted("floor-restore", ("proxy-rtt",))
+    assert not _wanted("resume", ("pause",))
+    assert not _wanted("concurrent-resume", ("resume",))
+
+
+def _frame(message: dict, flags: int = 0) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">BI", flags, len(data)) + data
+
+
+def test_command_output_from_a_connect_stream():
+    out = base64.b64encode(b"hello\n").decode()
+    stream = (
+        _frame({"event": {"start": {"pid": 7}}})
+        + _frame({"event": {"data": {"stdout": out}}})
+        + _frame({"event": {"end": {"exited": True, "status": "exit status 0"}}})
+        + _frame({}, flags=0x02)
+    )
+    assert _command_output("echo hello", stream) == "hello\n"
+    failed = _frame({"event": {"end": {"exitCode": 1, "exited": True}}}) + _frame({}, flags=0x02)
+    with pytest.raises(BenchError, match="failed in the guest"):
+        _command_output("false", failed)
+    with pytest.raises(BenchError, match="without an end event"):
+        _command_output("true", _frame({}, flags=0x02)[:-1])
