@@ -31,9 +31,11 @@ $(VENV)/.installed: pyproject.toml
 artifacts: venv
 	$(PY) -m aenv.guest.artifacts
 
-# Snapshot-engine latencies on real VMs (the API-level harness of issue 6 is still to come).
+# Node-level benchmark on real VMs: one table against the targets, JSON in bench/results/.
+# BENCH_MODE=quick (a few minutes), full, or smoke; BENCH_ARGS="--only create,resume --profile resume".
+BENCH_MODE ?= quick
 bench: venv artifacts
-	$(PY) -m bench.engine_bench $(BENCH_ARGS)
+	$(PY) -m bench --mode $(BENCH_MODE) $(BENCH_ARGS)
 
 lint: venv
 	$(PY) -m ruff check src tests bench
