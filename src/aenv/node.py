@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -35,6 +36,7 @@ from .vmm.accel import choose_accelerator
 log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
+IO_THREADS = 64
 
 
 def api_key(settings: Settings) -> str:
@@ -150,6 +152,9 @@ async def serve(settings: Settings) -> None:
     node = Node(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Calls to envd and page captures wait in threads, mostly on guests; with the default pool
+    # (cores + 4 threads) fifty concurrent resumes would queue behind six of them.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="aenv-io"))
     pid = os.getpid()
 
     def request_stop(signum: int, frame: object) -> None:

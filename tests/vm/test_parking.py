@@ -114,30 +114,31 @@ def test_restarted_node_saves_a_parked_sandbox_it_finds(
     sandboxes._paused.pop(sandbox.sandbox_id)
     parked = parking.take(sandbox.sandbox_id)  # what the dying node process knew is gone
     assert parked is not None
-
-    async def captured() -> None:
-        await parked.capture
-
-    sandboxes.node.run(captured())
-    state = engine.load_state(sandbox.sandbox_id)
-    os.unlink(state.delta)  # as if it had died before the capture
-    state.delta = None
-    state.save(engine.workdir(sandbox.sandbox_id))
-
     restarted = SnapshotEngine(
         node_home, SnapshotRepository(node_home / "repository"), guest_artifacts, engine.accel
     )
     vm = None
+
+    async def captured() -> None:
+        await parked.capture
+
     try:
+        sandboxes.node.run(captured())
+        state = engine.load_state(sandbox.sandbox_id)
+        os.unlink(state.delta)  # as if it had died before the capture
+        state.delta = None
+        state.save(engine.workdir(sandbox.sandbox_id))
+
         sandboxes.node.run(restarted.settle_paused(restarted.load_state(sandbox.sandbox_id)))
         wait_for(lambda: not alive(qemu_pid), timeout=10)
-        parked.sandbox.guest.network.destroy()  # a node's network pool removes it at start
         state = restarted.load_state(sandbox.sandbox_id)
         assert state.pid is None and state.delta is not None
+        parked.sandbox.guest.network.destroy()  # a node's network pool removes it at start
         token = secrets.token_hex(8)
         vm = sandboxes.node.run(restarted.resume(state, GuestInit(access_token=token)))
         exposed = sandboxes.node.run(sandboxes._expose(vm, token))
         assert ask_keeper(exposed.sdk()) == (keeper_pid, mark)
     finally:
         sandboxes._unexpose(sandbox.sandbox_id)
+        sandboxes.node.run(parked.sandbox.guest.destroy(keep_files=True))  # if the test failed early
         sandboxes.node.run(restarted.kill(vm or restarted.load_state(sandbox.sandbox_id)))
