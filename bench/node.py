@@ -11,6 +11,7 @@ range and of its template builds, and the temporary directory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -37,6 +38,7 @@ DEFAULT_TIMEOUT = 6 * 3600  # seconds: longer than any run, so the TTL never end
 START_TIMEOUT = 600.0  # the first start of a fresh home boots the guest once to build `base`
 STOP_TIMEOUT = 180.0
 NETNS_DIR = Path("/run/netns")
+_PR_SET_PDEATHSIG = 1
 
 
 class BenchError(RuntimeError):
@@ -140,6 +142,13 @@ class Node:
         return ready
 
 
+def _stop_with_parent() -> None:
+    """In the node's process before exec: SIGTERM when the harness dies, even by SIGKILL, so the
+    node still ends its sandboxes (it runs in a session of its own, which Ctrl-C does not reach)."""
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
 def remote_node() -> Node | None:
     """The node named by AENV_URL (with AENV_API_KEY), if any."""
     url = os.environ.get("AENV_URL")
@@ -195,6 +204,7 @@ class LocalNode:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "aenv.cli", "server"],
                 cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_stop_with_parent,
             )  # fmt: skip
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + START_TIMEOUT

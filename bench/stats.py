@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class Figure:
     min: float
     max: float
     target: str = ""
+    samples: tuple[float, ...] = field(default=(), repr=False)  # as measured, in order
 
     def row(self) -> str:
         return (
@@ -52,4 +53,5 @@ def summarize(name: str, samples_ms: list[float], *, target: str = "", unit: str
         min=min(samples_ms),
         max=max(samples_ms),
         target=target,
+        samples=tuple(samples_ms),
     )

@@ -89,6 +89,7 @@ def test_json_document(tmp_path: Path):
     assert figure["target"] == "median <= 15 ms" and figure["met"] is True
     assert figure["floor"] == 3.0 and figure["ratio"] == pytest.approx(10 / 3)
     assert figure["details"] == {"kept": [True]}
+    assert figure["samples"] == [9.0, 11.0]  # as measured, for any later analysis
 
 
 def test_selection_and_companion_rows():
