@@ -35,9 +35,9 @@ class NodeClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def _call(self, method: str, path: str, expect: int, body: Any = None) -> Any:
+    async def _call(self, method: str, path: str, expect: int | tuple[int, ...], body: Any = None) -> Any:
         response = await self.http.request(method, path, json=body)
-        if response.status_code != expect:
+        if response.status_code not in (expect if isinstance(expect, tuple) else (expect,)):
             raise BenchError(f"{method} {path} answered {response.status_code}: {response.text[:400]}")
         return response.json() if response.content else None
 
@@ -53,8 +53,8 @@ class NodeClient:
         """`connect` of a paused sandbox resumes it (201) and answers once envd has taken its `/init`."""
         return await self._call("POST", f"/sandboxes/{sandbox_id}/connect", 201, {"timeout": DEFAULT_TIMEOUT})
 
-    async def kill(self, sandbox_id: str) -> None:
-        await self._call("DELETE", f"/sandboxes/{sandbox_id}", 204)
+    async def kill(self, sandbox_id: str, *, missing_ok: bool = False) -> None:
+        await self._call("DELETE", f"/sandboxes/{sandbox_id}", (204, 404) if missing_ok else 204)
 
     async def detail(self, sandbox_id: str) -> dict[str, Any]:
         return await self._call("GET", f"/sandboxes/{sandbox_id}", 200)

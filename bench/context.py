@@ -57,8 +57,8 @@ class Sandboxes:
 
     async def kill_all(self) -> None:
         ids, self.live = list(self.live), {}
-        results = await bounded(8, [lambda i=i: self.client.kill(i) for i in ids])
-        failed = [r for r in results if isinstance(r, BaseException) and "404" not in str(r)]
+        results = await bounded(8, [lambda i=i: self.client.kill(i, missing_ok=True) for i in ids])
+        failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise BenchError(f"killing {len(failed)} sandboxes failed: {failed[0]}")
 

@@ -134,16 +134,8 @@ async def snapshot(ctx: Context) -> list[Row]:
         sizes = [_mib(d) for d in deltas]
         note += f"; memory delta per snapshot {sizes} MiB (mostly the guest's page cache of the file)"
     figure = summarize(f"snapshot after writing {written}", samples)
-    return [
-        Row(
-            "snapshot",
-            figure,
-            await ctx.save_floor(),
-            "bare stop+save",
-            note=note,
-            details={"delta_bytes": deltas},
-        )
-    ]
+    floor = await ctx.save_floor()
+    return [Row("snapshot", figure, floor, "bare stop+save", note=note, details={"delta_bytes": deltas})]
 
 
 async def fork(ctx: Context) -> list[Row]:
@@ -177,6 +169,7 @@ async def concurrent_resume(ctx: Context) -> list[Row]:
         for result in await bounded(4, [lambda i=i: ctx.client.pause(i) for i in ids]):
             if isinstance(result, BaseException):
                 raise result
+        kept = [ctx.node.process_kept(i) for i in ids]
         await asyncio.sleep(SETTLE)
 
         async def timed_resume(sandbox_id: str) -> float:
@@ -194,6 +187,8 @@ async def concurrent_resume(ctx: Context) -> list[Row]:
     floor = await ctx.concurrent_restores(count)
     details: dict[str, Any] = {"wall_ms": wall, "failed": len(errors)}
     note = f"all {count} requests sent at once; last answered after {wall:.0f} ms"
+    if ctx.node.local:
+        note += f"; {sum(k is True for k in kept)} of {count} paused sandboxes had kept their QEMU process"
     if errors:
         note += f"; {len(errors)} failed: {errors[0]}"
     if floor:
