@@ -565,18 +565,17 @@ class SnapshotEngine:
         elif status != "running":  # QEMU starts the guest by itself once the state is loaded
             raise EngineError(f"loading the device state failed: QEMU is {status}")
 
-    async def _capture(self, sandbox: SandboxVM, directory: Path, stem: str) -> tuple[Path, Path]:
+    async def _capture(self, sandbox: SandboxVM, directory: Path, stem: str) -> tuple[Path, memory.DeltaInfo]:
         """With the guest stopped: its device state and changed pages, written under `directory`."""
         devices = directory / f"{stem}.devices"
         await sandbox.vm.command("xen-save-devices-state", filename=str(devices), live=False)
-        delta = directory / f"{stem}.delta"
-        await self._capture_memory(sandbox.vm.pid, sandbox.manifest, delta)
+        delta = await self._capture_memory(sandbox.vm.pid, sandbox.manifest, directory / f"{stem}.delta")
         return devices, delta
 
-    async def _capture_memory(self, pid: int, manifest: SnapshotManifest, delta: Path) -> None:
+    async def _capture_memory(self, pid: int, manifest: SnapshotManifest, delta: Path) -> memory.DeltaInfo:
         """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer."""
         start, end = memory.find_mapping(pid, self.repository.blob_path(manifest.memory_image))
-        await asyncio.to_thread(memory.capture_delta, pid, start, end, delta)
+        return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta)
 
     async def pause(self, sandbox: SandboxVM) -> SandboxState:
         """Stop the sandbox and save it to disk; `resume` continues it exactly.
@@ -609,7 +608,7 @@ class SnapshotEngine:
             capture = asyncio.create_task(self._capture_parked(sandbox, workdir / f"{stem}.delta", previous))
             self.parked.park(sandbox.sandbox_id, sandbox, capture)
             return state
-        state.delta, state.pid = str(delta), None
+        state.delta, state.pid = str(delta.path), None
         state.save(workdir)
         await sandbox.guest.destroy(keep_files=True)
         _unlink(previous)
@@ -865,13 +864,13 @@ class SnapshotEngine:
         sandbox: SandboxVM,
         staging: Path,
         devices: Path,
-        delta: Path,
+        delta: memory.DeltaInfo,
         layers: list[str],
         alias: str | None,
         metadata: dict[str, str],
     ) -> SnapshotManifest:
         origin = sandbox.manifest
-        delta_digest = self.repository.put_blob(delta, move=True)
+        delta_digest = self.repository.put_blob(delta.path, digest=delta.digest, move=True, verify=False)
         manifest = SnapshotManifest(
             id=new_snapshot_id(),
             kind="snapshot",

@@ -279,16 +279,19 @@ class SnapshotRepository:
         if actual != digest:
             raise DigestMismatch(f"blob {digest} is corrupt: its contents hash to {actual}")
 
-    def put_blob(self, path: Path | str, *, digest: str | None = None, move: bool = False) -> str:
+    def put_blob(
+        self, path: Path | str, *, digest: str | None = None, move: bool = False, verify: bool = True
+    ) -> str:
         """Store a file under the sha256 of its contents and return that digest.
 
-        A digest the caller already knows is verified, never trusted. An existing blob with the
+        A digest the caller already knows is verified, unless `verify` is off because the caller
+        computed it while writing the file itself (a memory capture). An existing blob with the
         same digest is reused (and the input removed when ``move``). On the same filesystem the
         file becomes the blob by hardlink (or rename when ``move``) in O(1); otherwise its data
         regions are copied so sparse memory images stay sparse.
         """
         src = Path(path)
-        actual = file_digest(src)
+        actual = file_digest(src) if verify or digest is None else _check_digest(digest)
         if digest is not None and actual != _check_digest(digest):
             raise DigestMismatch(f"{src} hashes to {actual}, not to the given {digest}")
         try:
