@@ -3,8 +3,9 @@
 Host RAM used is MemTotal - MemAvailable after the sandboxes idled, minus the same before they
 were created (the warm pool is there both times); the sum of RSS and PSS of their QEMU processes
 (`/proc/<pid>/smaps_rollup`) says how much of it they own (PSS splits the shared memory image
-among them). Overcommit is the guest RAM they were configured with over that host RAM. Creating
-stops early, without failing the figure, when a create fails or the host's MemAvailable falls
+among them), and their CPU time over the idle period what idling costs the host's cores.
+Overcommit is the guest RAM they were configured with over that host RAM. Creating stops early,
+without failing the figure, after a few failed creates or when the host's MemAvailable falls
 below a reserve; the figure then says how many it reached and why.
 """
 
@@ -22,6 +23,7 @@ from .report import Row
 from .stats import summarize
 
 RESERVE_MIB = 1024
+MAX_CREATE_FAILURES = 3  # one failed create may be a hiccup; this many say the host has had enough
 CREATE_CONCURRENCY = 4
 DENSITY_TARGET = 200
 
@@ -37,6 +39,16 @@ def meminfo_mib() -> dict[str, float]:
 def host_used_mib() -> float:
     info = meminfo_mib()
     return info["MemTotal"] - info["MemAvailable"]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes have used so far; processes that are gone count 0."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def rss_pss_mib(pid: int) -> tuple[float, float]:
@@ -55,6 +67,7 @@ async def density(ctx: Context) -> list[Row]:
     requested = ctx.plan.density
     local = ctx.node.local
     stop_reason = ""
+    failures: list[str] = []
     before = host_used_mib() if local else None
     async with Sandboxes(ctx.client) as sandboxes:
         gate = asyncio.Semaphore(CREATE_CONCURRENCY)
@@ -70,18 +83,23 @@ async def density(ctx: Context) -> list[Row]:
                 try:
                     await sandboxes.create()
                 except Exception as exc:
-                    stop_reason = stop_reason or f"a create failed: {exc}"
+                    failures.append(str(exc))
+                    if len(failures) >= MAX_CREATE_FAILURES:
+                        stop_reason = f"{len(failures)} creates failed, the last with: {exc}"
 
         started = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(requested)))
         create_s = time.perf_counter() - started
         ids = list(sandboxes.live)
+        all_pids = ctx.node.sandbox_pids()
+        pids = [all_pids[i] for i in ids if i in all_pids]
+        cpu_before = cpu_seconds(pids)
         await asyncio.sleep(ctx.plan.density_idle_s)
+        idle_cores = (cpu_seconds(pids) - cpu_before) / ctx.plan.density_idle_s
 
         used = host_used_mib() - before if before is not None else None
         load = os.getloadavg() if local else None
-        pids = ctx.node.sandbox_pids()
-        usage = [rss_pss_mib(pids[i]) for i in ids if i in pids]
+        usage = [rss_pss_mib(pid) for pid in pids]
         rss, pss = sum(u[0] for u in usage), sum(u[1] for u in usage)
 
         async def alive(sandbox_id: str) -> bool:
@@ -97,6 +115,7 @@ async def density(ctx: Context) -> list[Row]:
         "created": len(ids),
         "alive": healthy,
         "stop_reason": stop_reason or None,
+        "create_failures": failures,
         "create_s": round(create_s, 1),
         "idle_s": ctx.plan.density_idle_s,
         "guest_ram_configured_mib": configured,
@@ -104,10 +123,13 @@ async def density(ctx: Context) -> list[Row]:
         "qemu_rss_mib": rss if local else None,
         "qemu_pss_mib": pss if local else None,
         "load_average": load,
+        "idle_cpu_cores": idle_cores if local else None,
     }
     reached = f"{len(ids)} created in {create_s:.0f} s"
     if stop_reason:
         reached += f" (stopped: {stop_reason})"
+    elif failures:
+        reached += f" ({len(failures)} creates failed: {failures[-1]})"
     note = (
         f"{reached}; alive = state running and envd /health through the proxy after "
         f"{ctx.plan.density_idle_s:g} s idle"
@@ -122,7 +144,9 @@ async def density(ctx: Context) -> list[Row]:
     overcommit = summarize("idle density: overcommit (guest RAM / host RAM)", [configured / used], unit="x")
     usage_note = (
         f"{configured} MiB guest RAM on +{used:.0f} MiB host RAM (MemTotal-MemAvailable); QEMU RSS "
-        f"{rss:.0f} MiB, PSS {pss:.0f} MiB; load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}"
+        f"{rss:.0f} MiB, PSS {pss:.0f} MiB; idle, their QEMU processes used {idle_cores:.2f} cores "
+        f"({100 * idle_cores / len(ids):.2f} % of a core each); load average "
+        f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}"
     )
     per_sandbox = summarize("idle density: host RAM per sandbox", [used / len(ids)], unit="MiB")
     return [*rows, Row("density-overcommit", overcommit, note=usage_note), Row("density-ram", per_sandbox)]
