@@ -39,6 +39,9 @@ START_TIMEOUT = 600.0  # the first start of a fresh home boots the guest once to
 STOP_TIMEOUT = 180.0
 NETNS_DIR = Path("/run/netns")
 _PR_SET_PDEATHSIG = 1
+# Settings of this host the node should share with the harness (which reads them too): artifacts,
+# accelerator, QEMU binary. Every other AENV_* variable is the harness's to choose.
+PASSED_THROUGH = ("AENV_CACHE_DIR", "AENV_ACCEL", "AENV_KERNEL", "AENV_INITRAMFS", "AENV_QEMU")
 
 
 class BenchError(RuntimeError):
@@ -160,8 +163,7 @@ def remote_node() -> Node | None:
 class LocalNode:
     """`python -m aenv.cli server` on a temporary home and a free loopback port; a context manager."""
 
-    def __init__(self, **settings: str):
-        self.settings = settings
+    def __init__(self) -> None:
         self.port = free_port()
         self.workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
         self.home = self.workdir / "home"
@@ -182,11 +184,7 @@ class LocalNode:
             AENV_DEFAULT_TIMEOUT=str(DEFAULT_TIMEOUT),
             AENV_LOG_LEVEL="INFO",
         )
-        env.update({f"AENV_{k.upper()}": v for k, v in self.settings.items()})
-        if cache := os.environ.get("AENV_CACHE_DIR"):
-            env["AENV_CACHE_DIR"] = cache
-        if accel := os.environ.get("AENV_ACCEL"):
-            env["AENV_ACCEL"] = accel
+        env.update({name: os.environ[name] for name in PASSED_THROUGH if name in os.environ})
         return env
 
     def __enter__(self) -> Node:
@@ -213,7 +211,7 @@ class LocalNode:
                 raise BenchError(f"aenv server exited with {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=2).status_code == 204:
-                    pool = int(self.settings.get("warm_pool_size", Settings.warm_pool_size))
+                    pool = Settings.warm_pool_size  # the node's default: the harness sets none
                     return Node(url=url, api_key=API_KEY, home=self.home, pid=self.proc.pid, warm_pool=pool)
             if time.monotonic() > deadline:
                 raise BenchError(f"aenv server not healthy after {START_TIMEOUT:.0f} s:\n{self.log_tail()}")
