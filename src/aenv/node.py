@@ -85,8 +85,9 @@ class Node:
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         repository = SnapshotRepository(home / "repository")
         repository.cleanup_staging(older_than=0)
+        # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.
         self.networks = NetworkPool(
-            size=max(2, settings.warm_pool_size),
+            size=max(2, settings.warm_pool_size, settings.max_fork_count),
             prefix=f"aenv-s{settings.slot_first}-",
             slots=SlotAllocator(settings.slot_first, settings.slot_count),
         )

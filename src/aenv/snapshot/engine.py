@@ -26,7 +26,6 @@ import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
 from ..storage.layers import LayerStore, new_layer_id
 from ..vmm.accel import Accelerator, default_vcpus
-from ..vmm.envd_link import EnvdLink
+from ..vmm.envd_link import EnvdLink, utc_timestamp
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
 from ..vmm.machine import MACHINE_TYPE, SERIAL_LOG, MachineConfig, MemoryMode, VirtualMachine, VMError
 from . import devstate, memory
@@ -64,7 +63,7 @@ class GuestInit:
     def payload(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "envVars": self.env_vars,
-            "timestamp": datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            "timestamp": utc_timestamp(),
             # Restored guests share the template's RNG state: give each one fresh entropy.
             "entropy": base64.b64encode(os.urandom(64)).decode(),
         }

@@ -13,11 +13,18 @@ import http.client
 import json
 import struct
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 
 ENVD_PORT = 49983
+INIT_RETRY_INTERVAL = 0.05
+
+
+def utc_timestamp() -> str:
+    """Now, as the RFC 3339 UTC timestamp envd's /init takes."""
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 class EnvdUnavailable(RuntimeError):
@@ -140,11 +147,24 @@ class EnvdLink:
 
     async def init(self, payload: dict[str, Any], timeout: float = 5.0) -> None:
         """POST /init: env vars, access token, default user and workdir, wall clock, entropy."""
-        body = json.dumps(payload).encode()
-        status, answer = await asyncio.to_thread(
-            self._request, "POST", "/init", body=body,
-            headers=self._headers({"Content-Type": "application/json"}), timeout=timeout,
-        )  # fmt: skip
+        headers = self._headers({"Content-Type": "application/json"})
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if "timestamp" in payload:  # the wall clock as of this attempt
+                payload = {**payload, "timestamp": utc_timestamp()}
+            body = json.dumps(payload).encode()
+            try:
+                status, answer = await asyncio.to_thread(
+                    self._request, "POST", "/init", body=body, headers=headers, timeout=max(left, 0.1)
+                )
+                break
+            except TimeoutError:
+                raise
+            except OSError:  # unreachable for now: a starved guest can answer ARP too late
+                if left < INIT_RETRY_INTERVAL:
+                    raise
+                await asyncio.sleep(INIT_RETRY_INTERVAL)
         if status >= 300:
             raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
 

@@ -110,7 +110,9 @@ class MachineConfig:
                 "-device", f"virtio-net-device,netdev=net0,mac={self.mac}",
             ]  # fmt: skip
         if self.balloon:
-            argv += ["-device", "virtio-balloon-device,id=balloon0,free-page-reporting=on"]
+            # No free page reporting: a clone's RAM is a read-only private file mapping, which QEMU
+            # refuses to discard, so the reports would cost the guest CPU and fill qemu.log for nothing.
+            argv += ["-device", "virtio-balloon-device,id=balloon0"]
         if incoming:
             argv += ["-incoming", "defer"]
         return argv
@@ -211,9 +213,11 @@ class VirtualMachine:
         qmp = QMPClient(f"vm-{process.pid}")
         try:
             await qmp.connect(ours)
-        except Exception as exc:
+        except BaseException as exc:  # also cancellation (a warm-pool refill at node stop): no orphan
             process.kill()
-            await process.wait()
+            await asyncio.shield(process.wait())
+            if not isinstance(exc, Exception):
+                raise
             raise VMError(f"QEMU exited at start: {cls._tail(workdir / 'qemu.log')}") from exc
         log.debug("QEMU %d spawned in %.1f ms", process.pid, 1000 * (time.monotonic() - started))
         return cls(config=config, workdir=workdir, process=process, qmp=qmp)
