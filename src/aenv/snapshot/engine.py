@@ -586,9 +586,10 @@ class SnapshotEngine:
         workdir = self.workdir(sandbox.sandbox_id)
         state = sandbox.state
         stem = f"pause-{time.time_ns()}"
+        park = self.parked.accepts()
         await sandbox.vm.command("stop")
         try:
-            if self.parked.accepts():
+            if park:
                 devices = workdir / f"{stem}.devices"
                 await sandbox.vm.command("xen-save-devices-state", filename=str(devices), live=False)
             else:
@@ -599,7 +600,7 @@ class SnapshotEngine:
             raise
         previous = [state.delta, state.devices]
         state.paused, state.devices = True, str(devices)
-        if self.parked.accepts():
+        if park:
             # Until the capture is done the state names no delta, and the live process holds
             # the memory: a restarted node finds it through `pid` and captures it (`settle_paused`).
             state.delta = None

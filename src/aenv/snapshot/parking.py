@@ -81,9 +81,11 @@ class ParkingLot:
         self._parked[sandbox_id] = ParkedVM(sandbox, capture, time.monotonic())
         loop = asyncio.get_running_loop()
         self._timers[sandbox_id] = loop.call_later(self.policy.max_seconds, self._evict, sandbox_id)
+        if self.closed:  # the pause began before the lot closed: no keeping it now
+            self._evict(sandbox_id)
         while len(self._parked) > self.policy.max_count:
             self._evict(next(iter(self._parked)))
-        if host_memory_available() < self.policy.min_available:
+        if self._parked and host_memory_available() < self.policy.min_available:
             self._evict(next(iter(self._parked)))
 
     def take(self, sandbox_id: str) -> ParkedVM | None:

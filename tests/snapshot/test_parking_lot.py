@@ -1,0 +1,54 @@
+"""The parking lot's bookkeeping: by count, by age, and after it closed (no VMs needed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aenv.snapshot.parking import ParkedVM, ParkingLot, ParkingPolicy
+
+
+def run_lot(policy: ParkingPolicy, scenario) -> list[str]:
+    released: list[str] = []
+
+    async def release(parked: ParkedVM) -> None:
+        released.append(parked.sandbox)
+
+    async def main() -> None:
+        lot = ParkingLot(policy, release)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        await scenario(lot, lambda name: lot.park(name, name, done))
+        await lot.close()
+
+    asyncio.run(main())
+    return released
+
+
+def test_oldest_goes_first_when_over_count() -> None:
+    async def scenario(lot, park):
+        for name in ("a", "b", "c"):
+            park(name)
+        await asyncio.sleep(0)
+        assert "a" not in lot and "b" in lot and "c" in lot
+        assert lot.take("b") is not None and "b" not in lot
+
+    assert run_lot(ParkingPolicy(max_seconds=60, max_count=2, min_available=0), scenario) == ["a", "c"]
+
+
+def test_kept_processes_end_after_their_time() -> None:
+    async def scenario(lot, park):
+        park("a")
+        await asyncio.sleep(0.1)
+        assert "a" not in lot
+
+    assert run_lot(ParkingPolicy(max_seconds=0.05, max_count=8, min_available=0), scenario) == ["a"]
+
+
+def test_nothing_is_kept_once_closed() -> None:
+    async def scenario(lot, park):
+        await lot.close()
+        assert not lot.accepts()
+        park("late")
+        assert "late" not in lot
+
+    assert run_lot(ParkingPolicy(max_seconds=60, max_count=8, min_available=0), scenario) == ["late"]
