@@ -142,3 +142,26 @@ def test_restarted_node_saves_a_parked_sandbox_it_finds(
         sandboxes._unexpose(sandbox.sandbox_id)
         sandboxes.node.run(parked.sandbox.guest.destroy(keep_files=True))  # if the test failed early
         sandboxes.node.run(restarted.kill(vm or restarted.load_state(sandbox.sandbox_id)))
+
+
+def test_failed_resume_of_a_parked_sandbox_leaves_it_paused(base_template, engine, parking, sandboxes):
+    sandbox = sandboxes.start(base_template.id)
+    mark = secrets.token_hex(8)
+    sandbox.sdk().files.write("/home/user/note.txt", mark)
+    qemu_pid = sandbox.vm.vm.pid
+    sandboxes.pause(sandbox)
+    wait_for(lambda: engine.load_state(sandbox.sandbox_id).delta is not None)
+
+    async def refuse(*args, **kwargs):
+        raise RuntimeError("envd refused")
+
+    sandbox.vm.envd.init = refuse  # the next /init fails
+    state, token = sandboxes._paused[sandbox.sandbox_id]
+    with pytest.raises(RuntimeError, match="envd refused"):
+        sandboxes.node.run(engine.resume(state, GuestInit(access_token=token)))
+    del sandbox.vm.envd.init
+    assert not alive(qemu_pid) and sandbox.sandbox_id not in parking
+    assert engine.load_state(sandbox.sandbox_id).paused  # the pause on disk is still there
+
+    resumed = sandboxes.resume(sandbox.sandbox_id)
+    assert resumed.sdk().files.read("/home/user/note.txt") == mark

@@ -56,10 +56,12 @@ async def _splice(
     try:
         await asyncio.gather(_pump(client_reader, guest_writer), _pump(guest_reader, client_writer))
     finally:
+        # No await in here: when a dropped connection task is collected, this runs on GeneratorExit.
         for writer in (guest_writer, client_writer):
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    for writer in (guest_writer, client_writer):
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
 
 
 async def forward_port(

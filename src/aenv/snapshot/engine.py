@@ -640,6 +640,9 @@ class SnapshotEngine:
                     self.parked.park(sandbox.sandbox_id, sandbox, retry)
                 # else: left running; the next node start captures it (`settle_paused`)
                 return
+        await self._end_parked_process(sandbox)
+
+    async def _end_parked_process(self, sandbox: SandboxVM) -> None:
         await sandbox.guest.destroy(keep_files=True)
         sandbox.state.pid = None
         sandbox.state.save(self.workdir(sandbox.sandbox_id))
@@ -668,9 +671,13 @@ class SnapshotEngine:
             sandbox.envd.access_token = init.access_token
             await sandbox.envd.init(init.payload(), timeout=30)
         except BaseException:
-            await sandbox.guest.destroy(keep_files=True)
-            sandbox.state.pid = None
-            sandbox.state.save(self.workdir(sandbox.sandbox_id))
+            if sandbox.state.delta is not None or not sandbox.vm.alive():
+                await self._end_parked_process(sandbox)  # a later resume starts from the pause on disk
+            else:  # the pause never reached the disk: pause again where the guest is now
+                try:
+                    await self.pause(sandbox)
+                except Exception:
+                    log.exception("pausing %s again after a failed resume failed", sandbox.sandbox_id)
             raise
         sandbox.state.paused = False
         sandbox.state.save(self.workdir(sandbox.sandbox_id))
@@ -692,9 +699,7 @@ class SnapshotEngine:
             delta = workdir / f"pause-{time.time_ns()}.delta"
             await self._capture_memory(state.pid, manifest, delta)
             state.delta = str(delta)
-            self._kill_stray(state.pid, state.disk_layers)
-        else:
-            self._kill_stray(state.pid, state.disk_layers)
+        self._kill_stray(state.pid, state.disk_layers)
         state.pid = None
         state.save(workdir)
 
