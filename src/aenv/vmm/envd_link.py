@@ -69,11 +69,6 @@ class EnvdLink:
             with contextlib.suppress(IndexError):
                 self._idle.pop().close()
 
-    def adopt_connections(self, other: EnvdLink) -> None:
-        """Take over `other`'s kept-alive connections to the same guest."""
-        while other._idle:
-            self._idle.append(other._idle.pop())
-
     def _request(
         self,
         method: str,
