@@ -417,3 +417,22 @@ def test_kill(sandboxes: Sandboxes) -> None:
     assert Sandbox.kill(paused.sandbox_id)  # kill works on paused sandboxes too
     with pytest.raises(NotFoundException):
         Sandbox.connect(paused.sandbox_id)
+
+
+def parked_gauge(node: NodeServer) -> float:
+    """`aenv_parked_sandboxes` from the node's public Prometheus endpoint."""
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    assert 'aenv_sandboxes{state="' in text and 'aenv_sandbox_creates{result="success"}' in text
+    lines = [line for line in text.splitlines() if line.startswith("aenv_parked_sandboxes ")]
+    return float(lines[0].split()[1])
+
+
+def test_paused_sandbox_keeps_its_process(sandboxes: Sandboxes, node: NodeServer) -> None:
+    sandbox = sandboxes.create()
+    sandbox.files.write("/tmp/parked", "kept")
+    sandbox.beta_pause()
+    parked = parked_gauge(node)
+    assert parked >= 1
+    resumed = Sandbox.connect(sandbox.sandbox_id, timeout=120)
+    assert resumed.files.read("/tmp/parked") == "kept"
+    assert parked_gauge(node) == parked - 1  # other tests' sandboxes are killed, never released by age

@@ -161,6 +161,11 @@ class NodeAPI:
         self._creates_gauge = Gauge(
             "aenv_sandbox_creates", "Sandbox creations since start", ["result"], registry=self.registry
         )
+        self._parked_gauge = Gauge(
+            "aenv_parked_sandboxes",
+            "Paused sandboxes whose stopped QEMU process is kept for an instant resume",
+            registry=self.registry,
+        )
         orchestrator.on_stopped = self.proxy.release
 
     # -- wiring ----------------------------------------------------------------------------
@@ -246,6 +251,7 @@ class NodeAPI:
             self._sandboxes_gauge.labels(state).set(count)
         self._creates_gauge.labels("success").set(self.orchestrator.counters["create_successes"])
         self._creates_gauge.labels("failure").set(self.orchestrator.counters["create_failures"])
+        self._parked_gauge.set(len(self.orchestrator.engine.parked))
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

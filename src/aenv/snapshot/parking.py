@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,7 +41,6 @@ class ParkedVM:
 
     sandbox: SandboxVM
     capture: asyncio.Task[None]
-    since: float
 
 
 def host_memory_available() -> float:
@@ -78,7 +76,7 @@ class ParkingLot:
 
     def park(self, sandbox_id: str, sandbox: SandboxVM, capture: asyncio.Task[None]) -> None:
         """Keep the sandbox's process; make room if the lot is over its count or memory bound."""
-        self._parked[sandbox_id] = ParkedVM(sandbox, capture, time.monotonic())
+        self._parked[sandbox_id] = ParkedVM(sandbox, capture)
         loop = asyncio.get_running_loop()
         self._timers[sandbox_id] = loop.call_later(self.policy.max_seconds, self._evict, sandbox_id)
         if self.closed:  # the pause began before the lot closed: no keeping it now
