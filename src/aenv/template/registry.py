@@ -13,6 +13,7 @@ loopback address: a base image must not be swappable by anyone on the network pa
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import re
@@ -196,7 +197,9 @@ class RegistryClient:
         The registry's ``Docker-Content-Digest`` header and a digest ``ref`` must both match the
         body's sha256: a registry that lies about what it serves is refused.
         """
-        with self._send(f"/v2/{self._ref.repository}/manifests/{ref}", ACCEPT) as response:
+        with contextlib.closing(
+            self._send(f"/v2/{self._ref.repository}/manifests/{ref}", ACCEPT)
+        ) as response:
             try:
                 body = read_capped(response, MAX_DOCUMENT, f"manifest of {self._ref}")
             except httpx.HTTPError as exc:
@@ -215,7 +218,7 @@ class RegistryClient:
 
     def blob_chunks(self, digest: str) -> Iterator[bytes]:
         """A blob's bytes as they arrive (the caller verifies size and digest while storing)."""
-        with self._send(f"/v2/{self._ref.repository}/blobs/{digest}") as response:
+        with contextlib.closing(self._send(f"/v2/{self._ref.repository}/blobs/{digest}")) as response:
             try:
                 yield from response.iter_bytes(CHUNK)
             except httpx.HTTPError as exc:
