@@ -70,11 +70,10 @@ def read_capped(response: httpx.Response, limit: int, what: str) -> bytes:
 def _error_message(response: httpx.Response) -> str:
     """The registry's own explanation (``{"errors": [{"code", "message"}]}``) if it gave one."""
     try:
-        errors = response.json().get("errors") or []
-        return (
-            "; ".join(f"{e.get('code', '')}: {e.get('message', '')}" for e in errors) or response.text[:200]
-        )
-    except (ValueError, AttributeError, httpx.HTTPError):
+        body = read_capped(response, 64 << 10, "error response")
+        errors = json.loads(body).get("errors") or []
+        return "; ".join(f"{e.get('code', '')}: {e.get('message', '')}" for e in errors)
+    except (ValueError, AttributeError, TypeError, httpx.HTTPError, RegistryError):
         return f"HTTP {response.status_code}"
 
 
@@ -142,9 +141,8 @@ class RegistryClient:
             self._authorization = self._authenticate(challenge)
         if response.is_success:
             return response
-        response.read()
-        response.close()
-        message = _error_message(response)
+        with contextlib.closing(response):
+            message = _error_message(response) or f"HTTP {response.status_code}"
         if response.status_code in (401, 403):
             raise RegistryAuthError(
                 f"registry {self._ref.registry} refused access to {self._ref.repository}: {message}"

@@ -82,14 +82,16 @@ def unpack(image: Image, dest: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> N
             f"{dest.parent} must not be accessible to other users (mode {parent_mode & 0o777:o})"
         )
     dest.mkdir(mode=0o755)
-    budget = _Budget(max_bytes)
+    budget = SizeBudget(max_bytes)
     for layer in image.layers:
         apply_layer(dest, layer.path, diff_id=layer.diff_id, budget=budget)
 
 
-def apply_layer(root: Path, blob: Path, *, diff_id: str | None = None, budget: _Budget | None = None) -> None:
+def apply_layer(
+    root: Path, blob: Path, *, diff_id: str | None = None, budget: SizeBudget | None = None
+) -> None:
     """Apply one layer tarball (plain, gzip or zstd) to the tree at ``root``."""
-    tree = _Tree(os.open(root, _DIR), budget or _Budget(DEFAULT_MAX_BYTES))
+    tree = _Tree(os.open(root, _DIR), budget or SizeBudget(DEFAULT_MAX_BYTES))
     try:
         with _tar_stream(blob) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
             tree.apply_whiteouts(tar)
@@ -166,7 +168,7 @@ class _HashingReader:
 
 
 @dataclass
-class _Budget:
+class SizeBudget:
     """Bytes of regular-file content an image may still unpack to."""
 
     left: int
@@ -190,7 +192,7 @@ class _Tree:
     """The root being unpacked into, addressed only through descriptors."""
 
     root_fd: int
-    budget: _Budget
+    budget: SizeBudget
     chown: bool = field(default_factory=lambda: os.geteuid() == 0)
     _deferred: list[tuple[list[str], tarfile.TarInfo]] = field(default_factory=list)
 
