@@ -138,7 +138,7 @@ class ImageStore:
                 layers = []
                 for name in entry["Layers"]:
                     blob = self._store(_member_chunks(tar, members, name, source), None, source)
-                    media_type = OCI_LAYER + ("+gzip" if compression(blob) == "gzip" else "")
+                    media_type = OCI_LAYER + {"gzip": "+gzip", "zstd": "+zstd"}.get(compression(blob), "")
                     layers.append(
                         {"mediaType": media_type, "digest": f"sha256:{blob.name}", "size": _size(blob)}
                     )

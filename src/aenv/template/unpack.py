@@ -74,7 +74,8 @@ def unpack(image: Image, dest: Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> N
 
     ``dest`` must not exist and its parent must be private (no access for group or others):
     the tree holds the image's setuid files and owners. ``max_bytes`` caps the total size of
-    regular files across layers. Raises ``LayerRefused`` for a malformed or hostile layer.
+    regular files across layers. Raises ``LayerRefused`` for a malformed or hostile layer;
+    ``dest`` is then left half-written and must be discarded.
     """
     parent_mode = dest.parent.stat().st_mode
     if parent_mode & 0o077:
@@ -93,22 +94,22 @@ def apply_layer(
     """Apply one layer tarball (plain, gzip or zstd) to the tree at ``root``."""
     tree = _Tree(os.open(root, _DIR), budget or SizeBudget(DEFAULT_MAX_BYTES))
     try:
-        with _tar_stream(blob) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+        with _tar_stream(blob) as stream, tarfile.open(fileobj=_LayerReader(stream), mode="r|") as tar:
             tree.apply_whiteouts(tar)
         with _tar_stream(blob) as stream:
-            hashing = _HashingReader(stream)
-            with tarfile.open(fileobj=hashing, mode="r|") as tar:
+            reader = _LayerReader(stream)
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
                 tree.extract(tar)
-            hashing.drain()
+            reader.drain()
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise LayerRefused(f"layer {blob.name} is not a valid tar stream: {exc}") from None
     except OSError as exc:
         raise LayerRefused(f"cannot apply layer {blob.name}: {exc}") from None
     finally:
         os.close(tree.root_fd)
-    if diff_id is not None and hashing.digest != diff_id:
+    if diff_id is not None and reader.digest != diff_id:
         raise LayerRefused(
-            f"layer {blob.name} unpacks to {hashing.digest}, but the image config says {diff_id}"
+            f"layer {blob.name} unpacks to {reader.digest}, but the image config says {diff_id}"
         )
 
 
@@ -145,22 +146,32 @@ def _tar_stream(blob: Path) -> Iterator[IO[bytes]]:
             yield stream
 
 
-class _HashingReader:
-    """Passes reads through while hashing them, so the diff_id is checked in the same pass."""
+class _LayerReader:
+    """The tar stream as tarfile reads it: hashed for the diff_id, and bounded at its end.
+
+    tarfile skips an entry's data by reading it, even past the end of the stream, so a tiny
+    layer whose header claims exabytes would keep it reading nothing for hours; a second read
+    at the end of the stream therefore ends the layer instead.
+    """
 
     def __init__(self, stream: IO[bytes]):
         self._stream = stream
         self._hash = hashlib.sha256()
+        self._ended = False
 
     def read(self, size: int = -1) -> bytes:
         data = self._stream.read(size)
+        if not data and size:
+            if self._ended:
+                raise EOFError("the layer ends inside an entry")
+            self._ended = True
         self._hash.update(data)
         return data
 
     def drain(self) -> None:
         """Hash what tarfile left unread (end-of-archive padding)."""
-        while self.read(_CHUNK):
-            pass
+        while not self._ended:
+            self.read(_CHUNK)
 
     @property
     def digest(self) -> str:
@@ -247,7 +258,7 @@ class _Tree:
 
     def apply_whiteouts(self, tar: tarfile.TarFile) -> None:
         """First pass: remove what this layer's whiteouts hide from the layers below."""
-        for member in tar:
+        for member in _entries(tar):
             parts = _parts(member.name, "entry")
             if not parts or not parts[-1].startswith(WHITEOUT):
                 continue
@@ -267,7 +278,7 @@ class _Tree:
     def extract(self, tar: tarfile.TarFile) -> None:
         """Second pass: create every entry, then set directory modes and times."""
         self._deferred.clear()
-        for member in tar:
+        for member in _entries(tar):
             parts = _parts(member.name, "entry")
             if parts and parts[-1].startswith(WHITEOUT):
                 continue
@@ -389,6 +400,13 @@ class _Tree:
             os.utime(fd, (member.mtime, member.mtime))
         finally:
             os.close(fd)
+
+
+def _entries(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The members one by one, without tarfile keeping every one seen (layers can be huge)."""
+    while (member := tar.next()) is not None:
+        tar.members.clear()
+        yield member
 
 
 def _remove(parent: int, name: str) -> None:
