@@ -13,6 +13,9 @@ PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
     cpio e2fsprogs zstd iproute2 nftables util-linux python3-venv
 )
+# Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
+# (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.
+PACKAGES+=(docker-registry skopeo apache2-utils openssl)
 # The test suite drives the official e2b npm SDK too: Node.js and npm, unless already installed.
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     PACKAGES+=(nodejs npm)
@@ -65,6 +68,10 @@ apt-get update -q
 # shellcheck disable=SC2086  # $missing is a newline-separated package list
 apt-get install -y -q --no-install-recommends $missing
 apt-get install -y -q --no-install-recommends "${qemu_target[@]}" "${QEMU_PACKAGES[@]}"
+# Debian starts the registry as a system service on :5000; tests run their own on loopback.
+if command -v systemctl >/dev/null && systemctl is-enabled docker-registry >/dev/null 2>&1; then
+    systemctl disable --now docker-registry || true
+fi
 
 if ! qemu_ok; then
     log "QEMU >= $MIN_QEMU_MAJOR.0 is required, found: $(qemu-system-x86_64 --version 2>/dev/null | head -1)"
