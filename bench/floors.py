@@ -6,8 +6,9 @@ in the same run: `restore` is spawn → `migrate-incoming` of the template's spl
 + `xen-save-devices-state` on such a running clone. The figure's ratio to its floor is the node's
 overhead (API, orchestration, warm-pool bookkeeping, envd `/init`, page capture).
 
-The clones are built from the lower-level pieces the engine uses (repository manifest, machine
-configuration, device-state splice), never from the engine or the node. The template's vmstate
+The clones are built from the lower-level pieces the engine uses (repository manifest, runtime
+resolver, machine configuration, the QMP steps of `aenv.vmm.migration`), never from the engine
+or the node. The template's vmstate
 has a virtio-net device, so each clone gets a tap in a throwaway namespace (no uplink, no way
 out), and its own qcow2 layer over the template's disk; both are prepared before the clock
 starts, as the node prepares them ahead of time too. Everything lives under a scratch directory
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv.network.netns import SandboxNetwork
-from aenv.snapshot import devstate
 from aenv.snapshot.repository import SnapshotRepository
 from aenv.storage.layers import LayerStore
-from aenv.vmm.launcher import BootFiles, create_upper_layer, guest_machine
+from aenv.storage.runtime import LocalRuntime
+from aenv.vmm import migration
+from aenv.vmm.launcher import create_upper_layer, guest_machine
 from aenv.vmm.machine import MachineConfig, MemoryMode, VirtualMachine
 
 from .node import BenchError
@@ -54,20 +56,13 @@ class FloorLab:
     def __init__(self, home: Path, template: str = "base"):
         repository = SnapshotRepository(home / "repository")
         self.manifest = repository.get(template)
-        shape = self.manifest.machine
-        self.lower = LayerStore(home / "layers").path(self.manifest.disk_layers[-1])
-        self._boot = BootFiles(
-            kernel=repository.blob_path(shape.kernel_digest),
-            initramfs=repository.blob_path(shape.initramfs_digest),
-            tools_image=repository.blob_path(shape.tools_digest),
-            cmdline=shape.cmdline,
-        )
-        self._image = repository.blob_path(self.manifest.memory_image)
-        prefix = repository.blob_path(self.manifest.vmstate_prefix).read_bytes()
-        stream = devstate.splice(prefix, repository.blob_path(self.manifest.device_state).read_bytes())
         self.workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-floor-"))
-        self.stream = self.workdir / "template.vmstate"
-        self.stream.write_bytes(stream)
+        # The node's resolver, with its spliced stream written to this scratch directory.
+        runtime = LocalRuntime(repository, LayerStore(home / "layers"), self.workdir)
+        self.lower = runtime.layer_path(self.manifest.disk_layers[-1])
+        self._boot = runtime.boot_files(self.manifest.machine)
+        self._image = runtime.memory_image(self.manifest)
+        self.stream = runtime.template_stream(self.manifest)
         self._clones: list[Clone] = []
         self._networks: list[SandboxNetwork] = []
 
@@ -99,19 +94,11 @@ class FloorLab:
             os.close(tap)
         clone = Clone(vm, network, workdir)
         self._clones.append(clone)
-        await vm.command(
-            "migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}]
-        )
-        await vm.command("migrate-incoming", uri=f"file:{self.stream}")
-        deadline = time.monotonic() + INCOMING_TIMEOUT
-        while (status := (await vm.command("query-status"))["status"]) == "inmigrate":
-            if time.monotonic() > deadline:
-                raise BenchError("bare restore: loading the device state timed out")
-            await asyncio.sleep(0.001)
-        if status == "paused":
-            await vm.command("cont")
-        elif status != "running":
-            raise BenchError(f"bare restore failed: QEMU is {status}")
+        await migration.prepare_incoming(vm)
+        try:
+            await migration.load(vm, self.stream, INCOMING_TIMEOUT)
+        except migration.MigrationError as exc:
+            raise BenchError(f"bare restore failed: {exc}") from exc
         clone.restore_ms = (time.perf_counter() - started) * 1000
         return clone
 
@@ -129,8 +116,8 @@ class FloorLab:
         """QMP `stop` + `xen-save-devices-state` of a running clone (ms)."""
         target = clone.workdir / "devices"
         started = time.perf_counter()
-        await clone.vm.command("stop")
-        await clone.vm.command("xen-save-devices-state", filename=str(target), live=False)
+        await migration.stop(clone.vm)
+        await migration.capture_devices(clone.vm, target)
         return (time.perf_counter() - started) * 1000
 
     async def discard(self, clone: Clone) -> None:

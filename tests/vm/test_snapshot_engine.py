@@ -127,7 +127,7 @@ def test_fork_children_inherit_then_diverge(base_template, sandboxes):
 
 
 def test_memory_image_never_changes(base_template, engine, sandboxes):
-    image = engine.repository.blob_path(base_template.memory_image)
+    image = engine.runtime.memory_image(base_template)
     before = sha256(image)
     sandbox = sandboxes.start(base_template.id)
     sdk = sandbox.sdk()

@@ -1,1 +1,1 @@
-"""Snapshots: memory layers, device state, committed snapshot repository and catalog."""
+"""Snapshots: manifests, memory layers, device state, the POSIX repository, and the engine."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import SandboxVM
+    from .model import SandboxVM
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,9 @@
 """The snapshot repository: content-addressed blobs plus a catalog of committed manifests.
 
-This is the durable source of truth for templates and snapshots (the POSIX-directory backend;
-the directory may be local or on a shared filesystem). Layout under ``root``::
+This is the durable source of truth for templates and snapshots: the POSIX-directory
+implementation of `aenv.storage.protocols.Repository` (the directory may be local or on a
+shared filesystem; `aenv.storage.runtime.LocalRuntime` uses its blobs in place). Layout under
+``root``::
 
     blobs/sha256/<hex>        immutable blob files (mode 0444), named by the sha256 of their bytes
     manifests/<id>.json       committed manifests; a snapshot exists exactly when this file does

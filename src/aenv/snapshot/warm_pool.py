@@ -4,7 +4,8 @@ Spawning QEMU and the guest's first steps after a restore are most of what creat
 costs (under TCG, every new QEMU also translates the guest's code afresh), and none of it
 depends on the sandbox: a guest restored from the snapshot on a fresh disk layer and network
 namespace becomes a sandbox with one `/init`. The pool keeps a target number of them per
-snapshot and refills in the background after each one is taken.
+snapshot and refills in the background after each one is taken. It only keeps count: making
+and undoing a warm VM is its `WarmSource`'s business (`aenv.snapshot.warm`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..network.netns import SandboxNetwork
 from ..vmm.envd_link import EnvdLink
@@ -36,16 +37,18 @@ class WarmVM:
     workdir: Path
 
 
-class WarmPool:
-    """Per-snapshot sets of warm VMs; `spawn` makes one, `discard` undoes one."""
+class WarmSource(Protocol):
+    """What the pool needs from the engine: make a warm VM for a snapshot, and undo one."""
 
-    def __init__(
-        self,
-        spawn: Callable[[str], Awaitable[WarmVM]],
-        discard: Callable[[WarmVM], Awaitable[None]],
-    ):
-        self._spawn = spawn
-        self._discard = discard
+    async def spawn(self, snapshot_id: str) -> WarmVM: ...
+    async def discard(self, warm: WarmVM) -> None: ...
+
+
+class WarmPool:
+    """Per-snapshot sets of warm VMs, made and undone by `source`."""
+
+    def __init__(self, source: WarmSource):
+        self._source = source
         self._targets: dict[str, int] = {}
         self._ready: dict[str, list[WarmVM]] = {}
         self._refills: dict[str, asyncio.Task[None]] = {}
@@ -61,7 +64,7 @@ class WarmPool:
         self._targets[snapshot_id] = max(0, size)
         ready = self._ready.setdefault(snapshot_id, [])
         while len(ready) > self._targets[snapshot_id]:
-            await self._discard(ready.pop())
+            await self._source.discard(ready.pop())
         self.refill(snapshot_id)
 
     def take(self, snapshot_id: str) -> WarmVM | None:
@@ -89,14 +92,14 @@ class WarmPool:
         ready = self._ready.setdefault(snapshot_id, [])
         while len(ready) < self.target(snapshot_id):
             try:
-                warm = await self._spawn(snapshot_id)
+                warm = await self._source.spawn(snapshot_id)
             except Exception as exc:  # a broken snapshot must not take the node down
                 log.warning("warm pool for %s stopped refilling: %s", snapshot_id, exc)
                 return
             if len(ready) < self.target(snapshot_id):
                 ready.append(warm)
             else:
-                await self._discard(warm)
+                await self._source.discard(warm)
 
     async def drain(self, snapshot_id: str) -> None:
         """Stop keeping VMs for the snapshot and discard the ones ready."""
@@ -107,7 +110,7 @@ class WarmPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for warm in self._ready.pop(snapshot_id, []):
-            await self._discard(warm)
+            await self._source.discard(warm)
 
     async def close(self) -> None:
         for snapshot_id in list({*self._targets, *self._ready}):

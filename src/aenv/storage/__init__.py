@@ -1,1 +1,1 @@
-"""Disk layers: qcow2 chains shared read-only between sandboxes, one writable layer each."""
+"""Storage seams (the repository and runtime resolver protocols), local runtime files, disk layers."""

@@ -1,0 +1,135 @@
+"""A guest restored from a committed snapshot into a fresh QEMU, and a sandbox's state captured back.
+
+Restore (design.md §3): QEMU maps the snapshot's memory image copy-on-write and waits for
+incoming state; the snapshot's (or the sandbox's) changed pages are written into its RAM from
+`/proc`, then a stream of the snapshot's vmstate prefix and device sections is loaded and the
+guest runs. Capture is the reverse with the guest stopped: device sections over QMP, then the
+private pages of the mapping as a delta layer. The QMP steps are `aenv.vmm.migration`'s; the
+pages are `aenv.snapshot.memory`'s; this module joins them for starts, resumes and warm VMs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from ..network.netns import SandboxNetwork
+from ..vmm import migration
+from ..vmm.envd_link import EnvdLink
+from ..vmm.launcher import GuestVM, guest_machine
+from ..vmm.machine import MachineConfig, MemoryMode, VirtualMachine
+from . import memory
+from .host import Host
+from .manifest import SnapshotManifest
+from .model import EngineError, GuestInit, SandboxState, SandboxVM
+
+
+class Clones:
+    """Restores guests from snapshots on this node and captures their state."""
+
+    def __init__(self, host: Host):
+        self.host = host
+
+    def config(self, manifest: SnapshotManifest, top_layer: str) -> MachineConfig:
+        """The machine of a sandbox restored from `manifest` whose disk chain ends in `top_layer`."""
+        runtime = self.host.runtime
+        return guest_machine(
+            runtime.boot_files(manifest.machine), runtime.layer_path(top_layer), accel=self.host.accel,
+            vcpus=manifest.machine.vcpus, memory_mib=manifest.machine.memory_mib,
+            memory_mode=MemoryMode.PRIVATE_IMAGE, memory_path=runtime.memory_image(manifest),
+        )  # fmt: skip
+
+    async def spawn(
+        self, manifest: SnapshotManifest, top_layer: str, workdir: Path, network: SandboxNetwork
+    ) -> VirtualMachine:
+        """QEMU on the snapshot's memory image and this disk layer, waiting for incoming state."""
+        tap_fd = network.open_tap()
+        try:
+            vm = await VirtualMachine.spawn(
+                self.config(manifest, top_layer), workdir, tap_fd=tap_fd, incoming=True
+            )
+        finally:
+            os.close(tap_fd)
+        try:
+            await migration.prepare_incoming(vm)
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    async def load(
+        self, vm: VirtualMachine, manifest: SnapshotManifest, deltas: list[Path], stream: Path
+    ) -> None:
+        """Write the changed pages into the waiting QEMU, load the device state, let the guest run."""
+        if deltas:
+            start, end = memory.find_mapping(vm.pid, self.host.runtime.memory_image(manifest))
+            await asyncio.to_thread(memory.apply_deltas, vm.pid, start, end, deltas)
+        try:
+            await migration.load(vm, stream, self.host.incoming_timeout)
+        except migration.MigrationError as exc:
+            raise EngineError(str(exc)) from exc
+
+    async def launch(
+        self,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        deltas: list[Path],
+        stream: Path,
+        init: GuestInit,
+    ) -> SandboxVM:
+        """Spawn QEMU for the sandbox, restore it and give it its identity (the path without a warm VM)."""
+        network = await self.host.network(state.network_name, state.egress)
+        state.network_name = network.name
+        try:
+            vm = await self.spawn(
+                manifest, state.disk_layers[-1], self.host.workdir(state.sandbox_id), network
+            )
+        except BaseException:
+            network.destroy()
+            raise
+        try:
+            await self.load(vm, manifest, deltas, stream)
+        except BaseException:
+            await vm.kill()
+            network.destroy()
+            raise
+        return await self.identify(state, manifest, vm, network, init)
+
+    async def identify(
+        self,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        vm: VirtualMachine,
+        network: SandboxNetwork,
+        init: GuestInit,
+        envd: EnvdLink | None = None,
+    ) -> SandboxVM:
+        """`/init` a running guest as this sandbox (token, variables, clock, entropy) and record it.
+
+        `envd` is the guest's existing link, whose kept-alive connection makes `/init` cheaper.
+        """
+        envd = envd or EnvdLink(network)
+        envd.access_token = init.access_token
+        try:
+            await envd.init(init.payload(), timeout=30)
+        except BaseException:
+            await vm.kill()
+            network.destroy()
+            raise
+        state.paused, state.pid = False, vm.pid
+        state.save(vm.workdir)
+        guest = GuestVM(vm=vm, network=network, envd=envd, workdir=vm.workdir)
+        return SandboxVM(state=state, guest=guest, manifest=manifest)
+
+    async def capture(self, sandbox: SandboxVM, directory: Path, stem: str) -> tuple[Path, memory.DeltaInfo]:
+        """With the guest stopped: its device state and changed pages, written under `directory`."""
+        devices = directory / f"{stem}.devices"
+        await migration.capture_devices(sandbox.vm, devices)
+        delta = await self.capture_memory(sandbox.vm.pid, sandbox.manifest, directory / f"{stem}.delta")
+        return devices, delta
+
+    async def capture_memory(self, pid: int, manifest: SnapshotManifest, delta: Path) -> memory.DeltaInfo:
+        """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer."""
+        start, end = memory.find_mapping(pid, self.host.runtime.memory_image(manifest))
+        return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta)

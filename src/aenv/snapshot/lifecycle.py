@@ -1,0 +1,200 @@
+"""The sandbox lifecycle: start, resume, snapshot, fork, kill, and egress policy changes.
+
+A sandbox starts from a committed snapshot (a warm VM when the pool has one, else a fresh
+restore) on a new writable disk layer over the snapshot's sealed ones, and holds a repository
+lease on that snapshot until it is killed. A snapshot of a running sandbox stops it only for the
+capture: its device state and changed pages go to staging, its writable layer is sealed under
+a new one, and the manifest is committed last. Each capture holds every page the sandbox changed
+since the memory image (resume writes earlier pages back as private pages, so they are captured
+again): a snapshot has exactly one delta over its image, never a chain. Pausing is
+`aenv.snapshot.pausing`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from ..network.egress import EgressPolicy
+from ..network.netns import SandboxNetwork
+from ..storage.layers import new_layer_id
+from ..vmm import migration
+from . import devstate, memory
+from .clones import Clones
+from .host import Host
+from .manifest import SnapshotManifest, new_snapshot_id, utc_now
+from .model import EngineError, GuestInit, SandboxState, SandboxVM
+from .pausing import Pauses
+from .recovery import kill_stray
+from .warm import WarmVMs
+from .warm_pool import WarmPool
+
+
+class Lifecycle:
+    """Runs sandboxes from committed snapshots on this node."""
+
+    def __init__(self, host: Host, clones: Clones, warm: WarmVMs, pool: WarmPool, pauses: Pauses):
+        self.host = host
+        self.clones = clones
+        self.warm = warm
+        self.pool = pool
+        self.pauses = pauses
+
+    async def start(
+        self, snapshot: str, sandbox_id: str, init: GuestInit, policy: EgressPolicy | None = None
+    ) -> SandboxVM:
+        """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
+        manifest = self.host.repository.acquire(snapshot, sandbox_id)
+        try:
+            return await self._start(manifest, sandbox_id, init, policy or EgressPolicy())
+        finally:
+            self.pool.refill(manifest.id)
+
+    async def _start(
+        self, manifest: SnapshotManifest, sandbox_id: str, init: GuestInit, policy: EgressPolicy
+    ) -> SandboxVM:
+        host = self.host
+        warm = self.pool.take(manifest.id)
+        try:
+            await host.check_runnable(manifest)
+            top = warm.top_layer if warm else await host.layers.create_upper(manifest.disk_layers[-1])
+        except BaseException:
+            if warm is not None:
+                await self.warm.discard(warm)
+            host.repository.release(manifest.id, sandbox_id)
+            raise
+        state = SandboxState(
+            sandbox_id=sandbox_id,
+            snapshot_id=manifest.id,
+            disk_layers=[*manifest.disk_layers, top],
+            network_name=warm.network.name if warm else f"aenv-{sandbox_id}",
+            policy=asdict(policy),
+        )
+        try:
+            if warm is not None:
+                return await self.warm.claim(warm, state, manifest, init, policy)
+            runtime = host.runtime
+            stream = runtime.template_stream(manifest)
+            return await self.clones.launch(state, manifest, runtime.memory_deltas(manifest), stream, init)
+        except BaseException:
+            host.layers.remove(top)
+            host.repository.release(manifest.id, sandbox_id)
+            shutil.rmtree(host.workdir(sandbox_id), ignore_errors=True)
+            raise
+
+    async def resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
+        """Continue a paused sandbox from its saved state (or its parked process)."""
+        parked = self.pauses.lot.take(state.sandbox_id)
+        if parked is not None:
+            return await self.pauses.resume_parked(parked, init)
+        if not state.paused or state.delta is None or state.devices is None:
+            raise EngineError(f"sandbox {state.sandbox_id} is not paused")
+        manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        await self.host.check_runnable(manifest)
+        stream = self.host.workdir(state.sandbox_id) / "resume.vmstate"
+        prefix = self.host.runtime.vmstate_prefix(manifest)
+        stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
+        return await self.clones.launch(state, manifest, [Path(state.delta)], stream, init)
+
+    async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
+        """End a running or paused sandbox and free everything it owns."""
+        host = self.host
+        state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
+        parked = self.pauses.lot.take(state.sandbox_id)
+        if parked is not None:
+            await parked.capture
+            sandbox, state = parked.sandbox, parked.sandbox.state
+        if isinstance(sandbox, SandboxVM):
+            await sandbox.guest.destroy(keep_files=True)
+        elif not state.paused:  # left running by a crashed node: its VM and namespace are strays
+            kill_stray(host.layers, state.pid, state.disk_layers)
+            SandboxNetwork(state.network_name).destroy()
+        # A paused sandbox has no network: the name it had may belong to another sandbox by now.
+        host.layers.remove(state.disk_layers[-1])
+        shutil.rmtree(host.workdir(state.sandbox_id), ignore_errors=True)
+        host.repository.release(state.snapshot_id, state.sandbox_id)
+
+    async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
+        """Replace a running sandbox's egress rules (one nft transaction) and remember them."""
+        await sandbox.guest.network.apply_policy(policy)
+        sandbox.state.policy = asdict(policy)
+        sandbox.state.save(sandbox.guest.workdir)
+
+    async def snapshot(
+        self, sandbox: SandboxVM, *, alias: str | None = None, metadata: dict[str, str] | None = None
+    ) -> SnapshotManifest:
+        """Commit a snapshot of a running sandbox; it is stopped only for the capture."""
+        host = self.host
+        staging = host.repository.staging_dir()
+        state = sandbox.state
+        sealed = state.disk_layers[-1]
+        try:
+            new_top = new_layer_id()
+            new_node = f"n{new_top}"
+            async with migration.stopped(sandbox.vm, resume=True):
+                devices, delta = await self.clones.capture(sandbox, staging, "snapshot")
+                await migration.seal_disk(sandbox.vm, sandbox.root_node, host.layers.path(new_top), new_node)
+            host.layers.seal(sealed)
+            sandbox.root_node = new_node
+            state.disk_layers.append(new_top)
+            state.save(host.workdir(state.sandbox_id))
+            layers = state.disk_layers[:-1]
+            return await asyncio.to_thread(
+                self._commit_snapshot, sandbox, devices, delta, layers, alias, metadata or {}
+            )
+        finally:
+            host.repository.discard_staging(staging)
+
+    def _commit_snapshot(
+        self,
+        sandbox: SandboxVM,
+        devices: Path,
+        delta: memory.DeltaInfo,
+        layers: list[str],
+        alias: str | None,
+        metadata: dict[str, str],
+    ) -> SnapshotManifest:
+        repository = self.host.repository
+        origin = sandbox.manifest
+        delta_size = delta.path.stat().st_size
+        delta_digest = repository.put_blob(delta.path, digest=delta.digest, move=True, verify=False)
+        manifest = SnapshotManifest(
+            id=new_snapshot_id(),
+            kind="snapshot",
+            alias=alias,
+            created_at=utc_now(),
+            source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
+            machine=origin.machine,
+            memory_image=origin.memory_image,
+            memory_deltas=(delta_digest,),
+            device_state=repository.put_blob(devices, move=True),
+            vmstate_prefix=origin.vmstate_prefix,
+            disk_layers=tuple(layers),
+            runtime=origin.runtime,
+            metadata=metadata,
+            sizes={delta_digest: delta_size},
+        )
+        repository.commit(manifest)
+        return manifest
+
+    async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
+        """Start children from the sandbox's current state; the source keeps running.
+
+        The children share one hidden snapshot, deleted as soon as the last of them is gone.
+        """
+        manifest = await self.snapshot(sandbox, metadata={"aenv.fork-of": sandbox.sandbox_id})
+        policy = sandbox.state.egress
+        results = await asyncio.gather(
+            *(self.start(manifest.id, child_id, init, policy) for child_id, init in children),
+            return_exceptions=True,
+        )
+        self.host.repository.delete(manifest.id, defer=True)
+        started = [r for r in results if isinstance(r, SandboxVM)]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for child in started:
+                await self.kill(child)
+            raise EngineError(f"fork failed: {failures[0]}") from failures[0]
+        return started

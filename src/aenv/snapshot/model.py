@@ -1,0 +1,111 @@
+"""What the parts of the snapshot engine share: a sandbox's saved state, its running VM, errors.
+
+`SandboxState` is the file a sandbox leaves in its directory (`sandboxes/<id>/state.json`):
+everything needed to resume it, kill it, or adopt its QEMU after the node process restarts.
+Its shape is part of a node home's layout and must stay readable across versions.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..network.egress import EgressPolicy
+from ..vmm.envd_link import EnvdLink, utc_timestamp
+from ..vmm.launcher import GuestVM
+from ..vmm.machine import VirtualMachine
+from .manifest import SnapshotManifest
+from .repository import GcReport
+
+STATE_FILE = "state.json"
+
+
+@dataclass(frozen=True)
+class GuestInit:
+    """What envd is told after every start or resume (E2B's `POST /init`)."""
+
+    env_vars: dict[str, str] = field(default_factory=dict)
+    access_token: str | None = None
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+    def payload(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "envVars": self.env_vars,
+            "timestamp": utc_timestamp(),
+            # Restored guests share the template's RNG state: give each one fresh entropy.
+            "entropy": base64.b64encode(os.urandom(64)).decode(),
+        }
+        if self.access_token:
+            body["accessToken"] = self.access_token
+        if self.default_user:
+            body["defaultUser"] = self.default_user
+        if self.default_workdir:
+            body["defaultWorkdir"] = self.default_workdir
+        return body
+
+
+@dataclass
+class SandboxState:
+    """What survives the QEMU process of a sandbox: enough to resume it, also after a node restart."""
+
+    sandbox_id: str
+    snapshot_id: str
+    disk_layers: list[str]  # bottom to top; the top one is the sandbox's writable layer
+    network_name: str
+    delta: str | None = None  # path of the delta layer from the last pause
+    devices: str | None = None  # path of the device state from the last pause
+    paused: bool = False
+    pid: int | None = None  # QEMU's, while running: a restarted node adopts it from here
+    policy: dict[str, Any] = field(default_factory=dict)  # the egress policy, as EgressPolicy fields
+
+    @property
+    def egress(self) -> EgressPolicy:
+        return EgressPolicy(**self.policy)
+
+    def save(self, workdir: Path) -> None:
+        tmp = workdir / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, workdir / STATE_FILE)
+
+    @classmethod
+    def load(cls, workdir: Path) -> SandboxState:
+        return cls(**json.loads((workdir / STATE_FILE).read_text()))
+
+
+@dataclass
+class SandboxVM:
+    """A running sandbox VM and where it came from."""
+
+    state: SandboxState
+    guest: GuestVM
+    manifest: SnapshotManifest
+    root_node: str = "root"  # QEMU's node name for the top of the root disk chain
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.state.sandbox_id
+
+    @property
+    def envd(self) -> EnvdLink:
+        return self.guest.envd
+
+    @property
+    def vm(self) -> VirtualMachine:
+        return self.guest.vm
+
+
+@dataclass(frozen=True)
+class GarbageReport:
+    """What one `collect_garbage` pass removed: unused disk layers, then repository blobs."""
+
+    removed_layers: tuple[str, ...]
+    blobs: GcReport
+
+
+class EngineError(RuntimeError):
+    """A snapshot operation failed; the message says which and why."""

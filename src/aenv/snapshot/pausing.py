@@ -1,0 +1,127 @@
+"""Pausing a sandbox to disk, and resuming one whose stopped process was kept (parked).
+
+A pause writes the sandbox's device state and changed pages next to its saved state, and ends
+its QEMU process. With parking on (`aenv.snapshot.parking`) the process is kept instead: the
+pause returns once the device state is written, the pages follow in the background, and a
+resume before the lot lets the process go is a `cont`. Either way the pause is on disk, so the
+process can end at any time without losing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from ..vmm import migration
+from .clones import Clones
+from .host import Host
+from .model import GuestInit, SandboxState, SandboxVM
+from .parking import ParkedVM, ParkingLot, ParkingPolicy
+
+log = logging.getLogger(__name__)
+
+
+class Pauses:
+    """Pauses sandboxes and owns the lot of parked ones (whose `release` callback it is)."""
+
+    def __init__(self, host: Host, clones: Clones, policy: ParkingPolicy):
+        self.host = host
+        self.clones = clones
+        self.lot = ParkingLot(policy, self.release)
+
+    async def pause(self, sandbox: SandboxVM) -> SandboxState:
+        """Stop the sandbox and save it to disk; a resume continues it exactly.
+
+        With parking on, the stopped QEMU process is kept: the call returns once the device
+        state is saved, and the changed pages are written right after, in the background.
+        Otherwise both are written before the process ends.
+        """
+        workdir = self.host.workdir(sandbox.sandbox_id)
+        state = sandbox.state
+        stem = f"pause-{time.time_ns()}"
+        park = self.lot.accepts()
+        async with migration.stopped(sandbox.vm, resume=False):
+            if park:
+                devices = workdir / f"{stem}.devices"
+                await migration.capture_devices(sandbox.vm, devices)
+            else:
+                devices, delta = await self.clones.capture(sandbox, workdir, stem)
+        previous = [state.delta, state.devices]
+        state.paused, state.devices = True, str(devices)
+        if park:
+            # Until the capture is done the state names no delta, and the live process holds
+            # the memory: a restarted node finds it through `pid` and captures it (`settle_paused`).
+            state.delta = None
+            state.save(workdir)
+            capture = asyncio.create_task(self._capture_parked(sandbox, workdir / f"{stem}.delta", previous))
+            self.lot.park(sandbox.sandbox_id, sandbox, capture)
+            return state
+        state.delta, state.pid = str(delta.path), None
+        state.save(workdir)
+        await sandbox.guest.destroy(keep_files=True)
+        _unlink(previous)
+        return state
+
+    async def _capture_parked(self, sandbox: SandboxVM, delta: Path, previous: list[str | None]) -> None:
+        """The changed pages of a parked sandbox, after its pause returned; never raises."""
+        try:
+            await self.clones.capture_memory(sandbox.vm.pid, sandbox.manifest, delta)
+        except Exception as exc:  # logged, and the process kept: the pause is not on disk yet
+            delta.unlink(missing_ok=True)
+            log.error("saving the memory of paused sandbox %s failed, its process is kept: %s",
+                      sandbox.sandbox_id, exc)  # fmt: skip
+            return
+        sandbox.state.delta = str(delta)
+        sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
+        _unlink(previous)
+
+    async def release(self, parked: ParkedVM) -> None:
+        """End a parked sandbox's QEMU process once its pause is on disk (the lot's callback)."""
+        sandbox = parked.sandbox
+        await parked.capture
+        if sandbox.state.delta is None:  # the capture failed: try again, and keep the process if it fails
+            delta = self.host.workdir(sandbox.sandbox_id) / f"pause-{time.time_ns()}.delta"
+            retry = asyncio.create_task(self._capture_parked(sandbox, delta, []))
+            await retry
+            if sandbox.state.delta is None:
+                if not self.lot.closed:
+                    self.lot.park(sandbox.sandbox_id, sandbox, retry)
+                # else: left running; the next node start captures it (`settle_paused`)
+                return
+        await self.end_process(sandbox)
+
+    async def end_process(self, sandbox: SandboxVM) -> None:
+        """End a paused sandbox's kept process; its pause on disk stays."""
+        await sandbox.guest.destroy(keep_files=True)
+        sandbox.state.pid = None
+        sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
+
+    async def resume_parked(self, parked: ParkedVM, init: GuestInit) -> SandboxVM:
+        """`cont` the kept process and `/init` the guest; the pause stays on disk for a retry."""
+        sandbox = parked.sandbox
+        await parked.capture  # the guest must not run while its pages are being read
+        try:
+            await sandbox.vm.command("cont")
+            sandbox.envd.access_token = init.access_token
+            await sandbox.envd.init(init.payload(), timeout=30)
+        except BaseException:
+            if sandbox.state.delta is not None or not sandbox.vm.alive():
+                await self.end_process(sandbox)  # a later resume starts from the pause on disk
+            else:  # the pause never reached the disk: pause again where the guest is now
+                try:
+                    await self.pause(sandbox)
+                except Exception:  # the resume's own error is the one to report
+                    log.exception("pausing %s again after a failed resume failed", sandbox.sandbox_id)
+            raise
+        sandbox.state.paused = False
+        sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
+        return sandbox
+
+
+def _unlink(paths: list[str | None]) -> None:
+    """Remove the files of an earlier pause that a newer one replaced."""
+    for path in paths:
+        if path:
+            Path(path).unlink(missing_ok=True)

@@ -1,0 +1,131 @@
+"""What a node process finds at start-up, and what nothing refers to any more.
+
+QEMU processes outlive the node process that started them (each runs in its own session), so a
+node restarted after a crash finds running sandboxes to adopt, parked ones whose pages may not
+be on disk yet, and warm VMs nobody will claim. A stray VM is identified by its command line
+naming one of its disk layers (random ids), never guessed by name. Garbage collection removes
+disk layers, runtime files and repository blobs that no snapshot or sandbox needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from ..network.netns import SandboxNetwork
+from ..storage.layers import LayerStore
+from ..vmm.envd_link import EnvdLink
+from ..vmm.launcher import GuestVM
+from ..vmm.machine import VirtualMachine
+from .clones import Clones
+from .host import Host
+from .model import EngineError, GarbageReport, SandboxState, SandboxVM
+from .warm import WarmRecord
+
+QEMU_BINARY_NAME = b"qemu-system"
+
+
+def is_our_vm(layers: LayerStore, pid: int | None, layer_ids: list[str]) -> bool:
+    """Whether `pid` is a QEMU started on one of these disk layers: a VM's identity after a crash.
+
+    Layer ids are random, and QEMU's command line names the top layer it was started on.
+    """
+    if pid is None:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return QEMU_BINARY_NAME in cmdline and any(str(layers.path(i)).encode() in cmdline for i in layer_ids)
+
+
+def kill_stray(layers: LayerStore, pid: int | None, layer_ids: list[str]) -> None:
+    """Kill a VM a previous node process left behind (identified, not guessed by name)."""
+    if pid is not None and is_our_vm(layers, pid, layer_ids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Recovery:
+    """Adopts, settles and cleans up what earlier node processes left; collects garbage."""
+
+    def __init__(self, host: Host, clones: Clones, warm_dir: Path):
+        self.host = host
+        self.clones = clones
+        self.warm_dir = warm_dir
+
+    async def adopt(
+        self, state: SandboxState, access_token: str | None, network: SandboxNetwork | None = None
+    ) -> SandboxVM:
+        """Take over a sandbox whose QEMU outlived the node process that started it.
+
+        `network` is its namespace as the network pool re-adopted it, if the pool made it.
+        """
+        host = self.host
+        if state.paused or not is_our_vm(host.layers, state.pid, state.disk_layers):
+            raise EngineError(f"sandbox {state.sandbox_id} has no running VM left to adopt")
+        assert state.pid is not None
+        manifest = host.repository.leased(state.snapshot_id, state.sandbox_id)
+        workdir = host.workdir(state.sandbox_id)
+        vm = await VirtualMachine.adopt(
+            self.clones.config(manifest, state.disk_layers[-1]), workdir, state.pid
+        )
+        network = network or SandboxNetwork(state.network_name)
+        guest = GuestVM(vm=vm, network=network, envd=EnvdLink(network, access_token), workdir=workdir)
+        # After a snapshot the top of the root chain has the sealed layer's successor's node name.
+        nodes = await vm.command("query-named-block-nodes", flat=True)
+        top = f"n{state.disk_layers[-1]}"
+        root_node = top if any(n.get("node-name") == top for n in nodes) else "root"
+        return SandboxVM(state=state, guest=guest, manifest=manifest, root_node=root_node)
+
+    async def settle_paused(self, state: SandboxState) -> None:
+        """A sandbox paused by a node process that ended while it was parked.
+
+        Its QEMU process may have outlived that node; if the pause's pages were not written yet,
+        they are captured from it now. Either way the process is ended.
+        """
+        if not state.paused or state.pid is None:
+            return
+        host = self.host
+        workdir = host.workdir(state.sandbox_id)
+        if state.delta is None:
+            if not is_our_vm(host.layers, state.pid, state.disk_layers):
+                raise EngineError(f"paused sandbox {state.sandbox_id} lost its memory with its QEMU process")
+            manifest = host.repository.leased(state.snapshot_id, state.sandbox_id)
+            delta = workdir / f"pause-{time.time_ns()}.delta"
+            await self.clones.capture_memory(state.pid, manifest, delta)
+            state.delta = str(delta)
+        kill_stray(host.layers, state.pid, state.disk_layers)
+        state.pid = None
+        state.save(workdir)
+
+    def cleanup_warm_leftovers(self) -> int:
+        """End the warm VMs of a node process that did not stop cleanly; returns how many."""
+        host = self.host
+        leftovers = 0
+        for record_file in WarmRecord.found(self.warm_dir):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                warm = WarmRecord.load(record_file)
+                kill_stray(host.layers, warm.pid, [warm.top_layer])
+                SandboxNetwork(warm.network).destroy()
+                host.layers.remove(warm.top_layer)
+                host.repository.release(warm.snapshot_id, record_file.parent.name)
+                leftovers += 1
+            shutil.rmtree(record_file.parent, ignore_errors=True)
+        return leftovers
+
+    def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
+        """Remove disk layers, runtime files and blobs nothing refers to any more (see `repository.gc`)."""
+        host = self.host
+        used = {layer for m in host.repository.list() for layer in m.disk_layers}
+        used |= {layer for state in host.sandbox_states() for layer in state.disk_layers}
+        orphans = sorted(host.layers.all_ids() - used)
+        for layer in orphans:
+            host.layers.remove(layer)
+        host.runtime.prune(host.repository.is_live)
+        blobs = host.repository.gc(grace_seconds=grace_seconds)
+        return GarbageReport(removed_layers=tuple(orphans), blobs=blobs)

@@ -1,0 +1,127 @@
+"""Warm VMs: what the warm pool keeps, made, handed over to a sandbox, and undone.
+
+A warm VM is a guest restored from a snapshot on its own disk layer and network namespace,
+with no identity yet; it holds a lease on its snapshot like a sandbox would. Its directory
+(`runtime/warm/<id>/`) has a record naming what it owns, so that a node process that did not
+stop cleanly leaves nothing behind: the next one ends it (`aenv.snapshot.recovery`).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..network.egress import EgressPolicy
+from ..network.netns import SandboxNetwork
+from ..vmm.envd_link import EnvdLink
+from ..vmm.machine import VirtualMachine
+from .clones import Clones
+from .host import Host
+from .manifest import SnapshotManifest
+from .model import GuestInit, SandboxState, SandboxVM
+from .warm_pool import WarmVM
+
+WARM_FILE = "warm.json"
+
+
+@dataclass(frozen=True)
+class WarmRecord:
+    """What a warm VM owns, on disk while it lives: its QEMU, disk layer, namespace and lease."""
+
+    pid: int
+    snapshot_id: str
+    top_layer: str
+    network: str
+
+    def save(self, workdir: Path) -> None:
+        (workdir / WARM_FILE).write_text(json.dumps(asdict(self)))
+
+    @staticmethod
+    def found(warm_dir: Path) -> Iterator[Path]:
+        """The record files under the warm VMs' directory."""
+        return warm_dir.glob(f"*/{WARM_FILE}")
+
+    @classmethod
+    def load(cls, record: Path) -> WarmRecord:
+        return cls(**json.loads(record.read_text()))
+
+
+class WarmVMs:
+    """Makes and undoes the warm pool's VMs (its `WarmSource`) and turns one into a sandbox."""
+
+    def __init__(self, host: Host, clones: Clones):
+        self.host = host
+        self.clones = clones
+        self.directory = host.runtime_dir / "warm"
+
+    async def spawn(self, snapshot_id: str) -> WarmVM:
+        """A restored, running guest for the pool that has no identity yet.
+
+        Its envd has answered once, so the code paths of the first request are already warm
+        (under TCG: translated); taking it costs one `/init` that gives it the sandbox's token,
+        variables, clock and entropy.
+        """
+        host = self.host
+        entry_id = "w" + secrets.token_hex(6)
+        manifest = host.repository.acquire(snapshot_id, entry_id)
+        workdir = self.directory / entry_id
+        top: str | None = None
+        network: SandboxNetwork | None = None
+        vm: VirtualMachine | None = None
+        try:
+            await host.check_runnable(manifest)
+            top = await host.layers.create_upper(manifest.disk_layers[-1])
+            network = await host.network(f"aenv-{entry_id}", None)
+            vm = await self.clones.spawn(manifest, top, workdir, network)
+            runtime = host.runtime
+            await self.clones.load(
+                vm, manifest, runtime.memory_deltas(manifest), runtime.template_stream(manifest)
+            )
+            envd = EnvdLink(network)
+            await envd.init(GuestInit().payload(), timeout=60)
+            WarmRecord(vm.pid, manifest.id, top, network.name).save(workdir)
+        except BaseException:
+            if vm is not None:
+                await vm.kill()
+            if network is not None:
+                network.destroy()
+            if top is not None:
+                host.layers.remove(top)
+            shutil.rmtree(workdir, ignore_errors=True)
+            host.repository.release(snapshot_id, entry_id)
+            raise
+        return WarmVM(entry_id, manifest.id, vm, network, envd, top, workdir)
+
+    async def discard(self, warm: WarmVM) -> None:
+        """End a warm VM and free everything it owns."""
+        warm.envd.close()
+        await warm.vm.kill()
+        warm.network.destroy()
+        self.host.layers.remove(warm.top_layer)
+        shutil.rmtree(warm.workdir, ignore_errors=True)
+        self.host.repository.release(warm.snapshot_id, warm.entry_id)
+
+    async def claim(
+        self,
+        warm: WarmVM,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        init: GuestInit,
+        policy: EgressPolicy,
+    ) -> SandboxVM:
+        """Make the warm VM the sandbox `state` describes: its directory, lease, egress and `/init`.
+
+        The caller already holds the sandbox's own lease; the warm VM's is released here.
+        """
+        workdir = self.host.workdir(state.sandbox_id)
+        (warm.workdir / WARM_FILE).unlink(missing_ok=True)
+        warm.workdir.rename(workdir)
+        warm.vm.workdir = workdir
+        self.host.repository.release(manifest.id, warm.entry_id)
+        if warm.network.policy != policy and self.host.networks is not None:
+            await warm.network.apply_policy(policy)
+        return await self.clones.identify(state, manifest, warm.vm, warm.network, init, warm.envd)

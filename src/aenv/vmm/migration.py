@@ -1,0 +1,114 @@
+"""Saving and loading a running VM's state over QMP: the only place these sequences are spelled out.
+
+Guest RAM never travels through the migration stream: templates boot with RAM in a shared file
+(the memory image) and clones map that image, so every stream is written and read with
+`x-ignore-shared` and carries only headers and device sections (see `aenv.snapshot.devstate`).
+Changed pages are captured separately from `/proc` (`aenv.snapshot.memory`). Each function
+here is one step the snapshot engine and the benchmark floors compose:
+
+- `save`: a template's full stream (without RAM) and its device sections alone, the VM stopped;
+- `capture_devices`: a stopped sandbox's device sections (pause, snapshot);
+- `seal_disk`: the top of a running disk chain frozen under a new writable layer (snapshot);
+- `prepare_incoming` + `load`: a QEMU started with `-incoming defer` fed a spliced stream until
+  its guest runs (start, resume, warm VMs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from .machine import VirtualMachine, VMError
+
+_IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
+
+
+class MigrationError(VMError):
+    """QEMU did not save or load a VM's state; the message says which and why."""
+
+
+async def prepare_incoming(vm: VirtualMachine) -> None:
+    """Make a QEMU waiting for incoming state (`-incoming defer`) keep its mapped memory image."""
+    await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
+
+
+async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
+    """Feed a prepared QEMU the stream, wait for the load, and let the guest run."""
+    await vm.command("migrate-incoming", uri=f"file:{stream}")
+    deadline = time.monotonic() + timeout
+    while (status := (await vm.command("query-status"))["status"]) == "inmigrate":
+        if time.monotonic() > deadline:
+            raise MigrationError("loading the device state timed out")
+        await asyncio.sleep(0.001)
+    if status == "paused":
+        await vm.command("cont")
+    elif status != "running":  # QEMU starts the guest by itself once the state is loaded
+        raise MigrationError(f"loading the device state failed: QEMU is {status}")
+
+
+async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
+    """With the guest stopped and its RAM in a shared file: the stream without RAM, then its devices.
+
+    The stream's prefix (everything before the device sections) is what every later state of
+    a clone is spliced onto; the device file is how that prefix is found in it.
+    """
+    await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
+    await vm.command("migrate", uri=f"file:{stream}")
+    while True:
+        status = (await vm.command("query-migrate")).get("status")
+        if status == "completed":
+            break
+        if status in ("failed", "cancelled"):
+            raise MigrationError(f"saving the VM's state failed ({status})")
+        await asyncio.sleep(0.002)
+    await capture_devices(vm, devices)
+
+
+async def capture_devices(vm: VirtualMachine, devices: Path) -> None:
+    """With the guest stopped: its device sections alone (no RAM), as `migrate-incoming` reads them."""
+    await vm.command("xen-save-devices-state", filename=str(devices), live=False)
+
+
+async def stop(vm: VirtualMachine) -> None:
+    """Stop the guest's CPUs, so that nothing changes while its state is read."""
+    await vm.command("stop")
+
+
+async def cont(vm: VirtualMachine) -> None:
+    """Let a stopped guest run again; a QEMU that is gone by now is no error here."""
+    with contextlib.suppress(VMError):
+        await vm.command("cont")
+
+
+@contextlib.asynccontextmanager
+async def stopped(vm: VirtualMachine, *, resume: bool) -> AsyncIterator[None]:
+    """The guest stopped for a capture; it runs again afterwards if `resume`, else only on failure."""
+    await stop(vm)
+    try:
+        yield
+    except BaseException:
+        await cont(vm)
+        raise
+    if resume:
+        await cont(vm)
+
+
+async def seal_disk(vm: VirtualMachine, node: str, new_file: Path, new_node: str) -> None:
+    """Freeze the disk chain's top (`node`) under a new writable qcow2 layer at `new_file`.
+
+    The old top is never written again, so a snapshot of the disk costs no copy; the new layer
+    records the old one's absolute path as its backing file.
+    """
+    await vm.command(
+        "blockdev-snapshot-sync",
+        **{
+            "node-name": node,
+            "snapshot-file": str(new_file),
+            "snapshot-node-name": new_node,
+            "format": "qcow2",
+            "mode": "absolute-paths",
+        },
+    )
