@@ -238,6 +238,9 @@ class NodeAPI:
             "Paused sandboxes whose stopped QEMU process is kept for an instant resume",
             registry=self.registry,
         )
+        self._lost_gauge = Gauge(
+            "aenv_sandboxes_lost", "Sandboxes whose VM process exited unexpectedly", registry=self.registry
+        )
         self._gc_gauges = {
             name: Gauge(f"aenv_gc_{name}", help_text, registry=self.registry)
             for name, help_text in GC_METRICS.items()
@@ -329,6 +332,7 @@ class NodeAPI:
         self._creates_gauge.labels("success").set(status.create_successes)
         self._creates_gauge.labels("failure").set(status.create_failures)
         self._parked_gauge.set(status.parked)
+        self._lost_gauge.set(status.lost)
         for name, gauge in self._gc_gauges.items():
             gauge.set(getattr(status.gc, name))
         body = generate_latest(self.registry)

@@ -57,6 +57,7 @@ class NodeStatus:
     records: list[SandboxRecord]
     create_successes: int
     create_failures: int
+    lost: int  # sandboxes whose VM process exited without the node asking it to
     parked: int  # paused sandboxes that keep their stopped QEMU process
     gc: GcTotals
 

@@ -147,6 +147,7 @@ class LocalNode:
             records=[s.record for s in self.orchestrator.sandboxes.values()],
             create_successes=self.orchestrator.counters["create_successes"],
             create_failures=self.orchestrator.counters["create_failures"],
+            lost=self.orchestrator.counters["lost"],
             parked=len(self._engine.parked),
             gc=self.housekeeper.totals,
         )

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 DISK_SIZE_MB = 4096
 AUTO_RESUME_MIN_TIMEOUT = 300
+LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with the reason)
 # What the engine raises when an operation fails for a reason outside this process's code: QEMU,
 # QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
 # API's error boundary (logged with its traceback, answered as an internal error).
@@ -68,6 +69,13 @@ def egress_policy(allow_internet: bool | None, network: dict[str, Any]) -> Egres
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
+
+
+def _exit_reason(code: int) -> str:
+    """A QEMU exit status in words; -1: an adopted process, whose status only its parent saw."""
+    if code == -1:
+        return "status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
 
 def catalog_name(reference: str) -> str:
@@ -102,7 +110,10 @@ class Orchestrator:
         self.engine = engine
         self.store = store
         self.sandboxes: dict[str, Sandbox] = {}
-        self.counters = {"create_successes": 0, "create_failures": 0}
+        self.counters = {"create_successes": 0, "create_failures": 0, "lost": 0}
+        # Sandboxes whose VM died under them, newest last: a lookup says why they are gone.
+        self.lost: dict[str, str] = {}
+        self._watchers: dict[int, asyncio.Task[None]] = {}  # by id() of the SandboxVM they watch
         self._evictor: asyncio.Task[None] | None = None
         self._closing = False
         # Called with a sandbox id when its VM stops (pause, kill): the proxy drops its connections.
@@ -168,7 +179,7 @@ class Orchestrator:
         try:
             with self._transition(sandbox, Op.ADOPT):
                 network = networks.get(state.network_name)
-                sandbox.vm = await self.engine.adopt(state, record.envd_token, network)
+                self._attach(sandbox, await self.engine.adopt(state, record.envd_token, network))
             await self._pause_locked(sandbox)
             log.info("sandbox %s outlived the node process and was paused", record.sandbox_id)
         except (*ENGINE_FAILURES, SandboxError) as exc:
@@ -200,6 +211,8 @@ class Orchestrator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
         await self.engine.close()
+        for watcher in list(self._watchers.values()):
+            watcher.cancel()
         for sandbox in list(self.sandboxes.values()):
             async with sandbox.lock:
                 if sandbox.vm is None:
@@ -218,6 +231,8 @@ class Orchestrator:
     def get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id.split("-", 1)[0])
         if sandbox is None or sandbox.record.state == State.KILLING:
+            if reason := self.lost.get(sandbox_id.split("-", 1)[0]):
+                raise NotFound(f"sandbox {sandbox_id} was lost: {reason}")
             raise NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
         return sandbox
 
@@ -267,8 +282,9 @@ class Orchestrator:
             self.store.put(record)
             try:
                 with self._transition(sandbox, Op.START):
-                    sandbox.vm = await self.engine.start(
-                        manifest.id, record.sandbox_id, self._guest_init(record), policy
+                    init = self._guest_init(record)
+                    self._attach(
+                        sandbox, await self.engine.start(manifest.id, record.sandbox_id, init, policy)
                     )
                     self._set_end(sandbox, timeout)
             except Exception as exc:  # any failure to start: the sandbox never existed
@@ -299,6 +315,40 @@ class Orchestrator:
     def _forget(self, sandbox: Sandbox) -> None:
         self.sandboxes.pop(sandbox.id, None)
         self.store.delete(sandbox.id)
+
+    # -- VM processes that die -------------------------------------------------------------
+
+    def _attach(self, sandbox: Sandbox, vm: SandboxVM) -> None:
+        """Give the sandbox its running VM, and watch that VM's process for an unplanned exit."""
+        sandbox.vm = vm
+        if id(vm) in self._watchers:  # a parked VM resumed: its process is watched already
+            return
+        watcher = asyncio.create_task(self._watch(sandbox, vm), name=f"watch-{sandbox.id}")
+        self._watchers[id(vm)] = watcher
+        watcher.add_done_callback(lambda _: self._watchers.pop(id(vm), None))
+
+    async def _watch(self, sandbox: Sandbox, vm: SandboxVM) -> None:
+        """Wait for the VM's QEMU to exit; if the node did not end it, the sandbox is lost.
+
+        A pause or kill ends QEMU while holding the sandbox's lock and then drops the handle, so
+        a handle still in place after the lock is ours again means nobody asked for the exit
+        (kill -9, a crash, the host's OOM killer): free what the sandbox held and say so.
+        """
+        code = await vm.vm.wait()
+        async with sandbox.lock:
+            if sandbox.vm is not vm or sandbox.id not in self.sandboxes:
+                return
+            exited = _exit_reason(code)
+            reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {_iso(_now())}"
+            log.error("sandbox %s was lost: %s", sandbox.id, reason)
+            self.counters["lost"] += 1
+            self.lost[sandbox.id] = reason
+            while len(self.lost) > LOST_KEPT:
+                self.lost.pop(next(iter(self.lost)))
+            try:
+                await self._kill_locked(sandbox)
+            except ENGINE_FAILURES as exc:  # the record is gone either way; leftovers are for GC
+                log.error("cleaning up lost sandbox %s failed: %s", sandbox.id, exc)
 
     # -- operations ------------------------------------------------------------------------
 
@@ -340,7 +390,7 @@ class Orchestrator:
         with self._transition(sandbox, Op.RESUME):
             try:
                 state = self.engine.load_state(record.sandbox_id)
-                sandbox.vm = await self.engine.resume(state, self._guest_init(record))
+                self._attach(sandbox, await self.engine.resume(state, self._guest_init(record)))
             except ENGINE_FAILURES as exc:
                 log.exception("resuming sandbox %s failed", record.sandbox_id)
                 raise OperationFailed(f"resuming sandbox {record.sandbox_id} failed: {exc}") from exc
@@ -407,7 +457,7 @@ class Orchestrator:
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"fork of sandbox {sandbox.id} failed: {exc}") from exc
             for child, vm in zip(children, vms, strict=True):
-                child.vm = vm
+                self._attach(child, vm)
                 self.sandboxes[child.id] = child
                 with self._transition(child, Op.START):
                     self._set_end(child, ttl)
