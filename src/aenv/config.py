@@ -44,6 +44,7 @@ class Settings:
     slot_first: int = 0
     slot_count: int = 1024
     evict_interval: float = 1.0
+    gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
     log_level: str = "INFO"
 
     @property
@@ -69,7 +70,7 @@ class Settings:
             problems.append("vcpus must not be negative")
         if self.slot_first < 0 or self.slot_count < 1:
             problems.append("slot_first must not be negative and slot_count must be positive")
-        for name in ("warm_pool_size", "park_seconds", "park_max"):
+        for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
         if problems:

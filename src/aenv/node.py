@@ -26,6 +26,8 @@ from .config import Settings, load_settings
 from .guest.artifacts import ensure_guest_artifacts
 from .network.pool import NetworkPool
 from .network.slots import SlotAllocator
+from .orchestrator.housekeeping import Housekeeper
+from .orchestrator.local import LocalNode
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
@@ -72,6 +74,7 @@ class Node:
         self.runner: web.AppRunner | None = None
         self.networks: NetworkPool | None = None
         self.orchestrator: Orchestrator | None = None
+        self.housekeeper: Housekeeper | None = None
         self.api: NodeAPI | None = None
 
     async def start(self) -> None:
@@ -101,9 +104,14 @@ class Node:
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
         template = await self._base_template(engine, settings)
+        # After recovery and the base template: collection must know every layer they use.
+        self.housekeeper = Housekeeper(engine, settings.gc_interval)
+        await self.housekeeper.start()
         for manifest in repository.list("template"):
             await engine.pool.set_target(manifest.id, settings.warm_pool_size)
-        self.api = NodeAPI(self.orchestrator, domain=self._domain(), node_id=node_id(home))
+        service = LocalNode(self.orchestrator, self.housekeeper, node_id(home))
+        self.api = NodeAPI(service, domain=self._domain())
+        self.orchestrator.on_stopped = self.api.proxy.release
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         self.runner = web.AppRunner(
@@ -142,6 +150,8 @@ class Node:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.housekeeper is not None:
+            await self.housekeeper.close()
         if self.orchestrator is not None:
             await self.orchestrator.close()
         if self.networks is not None:

@@ -3,19 +3,21 @@
 Middlewares, outermost first: errors become E2B's JSON error body (never a bare 500 or an
 HTML page); the sandbox proxy serves data-plane traffic (routing headers, sandbox hosts,
 `/proxy`) which carries no API key; then API-key authentication for everything else.
+
+Handlers talk to the node only through `NodeService` (`aenv.orchestrator.interface`): this module
+maps the wire to its calls and its typed errors to statuses (`STATUS`), and nothing else.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hmac
 import json
 import logging
-import platform
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, Literal, TypeVar, cast
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -24,10 +26,17 @@ from pydantic import BaseModel, ValidationError
 
 from .. import __version__
 from ..guest.envd import ENVD_VERSION
-from ..orchestrator.service import CreateRequest, Orchestrator, Sandbox, SandboxError, catalog_name
-from ..orchestrator.store import api_state
-from ..snapshot.manifest import SnapshotManifest
-from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
+from ..orchestrator.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OperationFailed,
+    SandboxError,
+    Unavailable,
+)
+from ..orchestrator.interface import CreateRequest, ListQuery, NodeService
+from ..orchestrator.service import catalog_name
+from ..orchestrator.store import SandboxRecord
 from . import openapi, schemas, views
 from .proxy import ProxyTarget, SandboxProxy
 
@@ -37,7 +46,28 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
 MAX_BODY = 1 << 20
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
-NODE_KEY = web.AppKey("node", object)
+# The one place where kinds of failure become HTTP statuses.
+STATUS: dict[type[SandboxError], int] = {
+    InvalidRequest: 400,
+    NotFound: 404,
+    Conflict: 409,
+    Unavailable: 503,
+    OperationFailed: 500,
+}
+
+
+GC_METRICS = {
+    "runs": "Garbage collection passes since the node started",
+    "failures": "Garbage collection passes that failed since the node started",
+    "removed_layers": "Disk layers removed by garbage collection since the node started",
+    "removed_blobs": "Repository blobs removed by garbage collection since the node started",
+    "freed_bytes": "Bytes of repository blobs freed by garbage collection since the node started",
+    "last_run_seconds": "Duration of the last garbage collection pass",
+}
+
+
+def status_of(error: SandboxError) -> int:
+    return next(code for kind, code in STATUS.items() if isinstance(error, kind))
 
 
 def error_response(status: int, message: str, error_code: str | None = None) -> web.Response:
@@ -52,7 +82,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except SandboxError as exc:
-        return error_response(exc.status, exc.message, exc.error_code)
+        return error_response(status_of(exc), exc.message, exc.error_code)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -60,7 +90,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status == 404 and not exc.text:
             message = f"route not found: {request.method} {request.path}"
         return error_response(exc.status, message or exc.reason)
-    except Exception:
+    except Exception:  # the process boundary: a bug is logged with its traceback, not shown
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, "internal error: see the node's log")
 
@@ -83,12 +113,12 @@ async def parse(request: web.Request, model: type[B], *, required: bool = True) 
     raw = await request.read()
     if not raw.strip():
         if required:
-            raise SandboxError(400, "request body is required")
+            raise InvalidRequest("request body is required")
         return model()
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SandboxError(400, f"request body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -96,7 +126,7 @@ async def parse(request: web.Request, model: type[B], *, required: bool = True) 
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
             for e in exc.errors(include_url=False)
         )
-        raise SandboxError(400, f"invalid request body: {problems}") from exc
+        raise InvalidRequest(f"invalid request body: {problems}") from exc
 
 
 def _int_query(request: web.Request, name: str, *, low: int, high: int) -> int | None:
@@ -104,22 +134,27 @@ def _int_query(request: web.Request, name: str, *, low: int, high: int) -> int |
     if value is None:
         return None
     if not value.isdigit() or not low <= int(value) <= high:
-        raise SandboxError(400, f"{name} must be an integer between {low} and {high}")
+        raise InvalidRequest(f"{name} must be an integer between {low} and {high}")
     return int(value)
 
 
-def _paginate(request: web.Request, items: list[Any], key: Callable[[Any], tuple[str, str]]) -> web.Response:
-    """E2B paging: `limit` and an opaque `nextToken`; `X-Next-Token` only when more items exist."""
+def _paginate(
+    request: web.Request, items: list[Any], key: Callable[[Any], tuple[str, str]], *, ascending: bool = False
+) -> web.Response:
+    """E2B paging: `limit` and an opaque `nextToken`; `X-Next-Token` only when more items exist.
+
+    `items` come sorted by time (newest first unless `ascending`), then by id.
+    """
     limit = _int_query(request, "limit", low=1, high=100)
     token = request.query.get("nextToken")
     if token:
         try:
             after = tuple(base64.urlsafe_b64decode(token.encode()).decode().split("__", 1))
         except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
-            raise SandboxError(400, f"invalid next token: {exc}") from exc
+            raise InvalidRequest(f"invalid next token: {exc}") from exc
         if len(after) != 2:
-            raise SandboxError(400, "invalid next token")
-        items = [item for item in items if _after(key(item), after)]
+            raise InvalidRequest("invalid next token")
+        items = [item for item in items if _after(key(item), after, ascending)]
     page = items if limit is None else items[:limit]
     headers = {}
     if limit is not None and len(items) > limit:
@@ -128,9 +163,14 @@ def _paginate(request: web.Request, items: list[Any], key: Callable[[Any], tuple
     return web.json_response(page, headers=headers)
 
 
-def _after(position: tuple[str, str], cursor: tuple[str, ...]) -> bool:
-    """Items are ordered by time descending, then id ascending."""
-    return position[0] < cursor[0] or (position[0] == cursor[0] and position[1] > cursor[1])
+def _after(position: tuple[str, str], cursor: tuple[str, ...], ascending: bool) -> bool:
+    """Whether an item comes after the cursor: time in the list's order, then id ascending."""
+    later = position[0] > cursor[0] if ascending else position[0] < cursor[0]
+    return later or (position[0] == cursor[0] and position[1] > cursor[1])
+
+
+def _by_start(item: dict[str, Any]) -> tuple[str, str]:
+    return item["startedAt"], item["sandboxID"]
 
 
 def metadata_filter(raw: str | None) -> dict[str, str]:
@@ -146,13 +186,45 @@ def metadata_filter(raw: str | None) -> dict[str, str]:
     return pairs
 
 
-class NodeAPI:
-    """Request handlers; the orchestrator does the work, this maps it to the wire."""
+def _time_query(request: web.Request, name: str) -> datetime | None:
+    """An RFC 3339 time bound (the SDK sends `datetime.isoformat()` with an offset)."""
+    value = request.query.get(name)
+    if not value:
+        return None
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an RFC 3339 time, got {value!r}") from None
+    if moment.tzinfo is None:
+        raise InvalidRequest(f"{name} must carry a UTC offset, got {value!r}")
+    return moment
 
-    def __init__(self, orchestrator: Orchestrator, *, domain: str, node_id: str):
-        self.orchestrator = orchestrator
+
+def list_query(request: web.Request) -> ListQuery:
+    """`GET /v2/sandboxes` filters: state, metadata, template, start-time bounds and order."""
+    states = {s for s in request.query.get("state", "").split(",") if s}
+    unknown = states - {"running", "paused"}
+    if unknown:
+        raise InvalidRequest(f"unknown state filter: {', '.join(sorted(unknown))}")
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"order must be asc or desc, got {order!r}")
+    return ListQuery(
+        states=frozenset(states),
+        metadata=metadata_filter(request.query.get("metadata")),
+        template=request.query.get("template") or None,
+        started_after=_time_query(request, "startedAfter"),
+        started_before=_time_query(request, "startedBefore"),
+        order=cast(Literal["asc", "desc"], order),
+    )
+
+
+class NodeAPI:
+    """Request handlers; the node service does the work, this maps it to the wire."""
+
+    def __init__(self, node: NodeService, *, domain: str):
+        self.node = node
         self.domain = domain
-        self.node_id = node_id
         self.proxy = SandboxProxy(self, domain.split(":", 1)[0] or None)
         self.registry = CollectorRegistry()
         self._sandboxes_gauge = Gauge(
@@ -166,7 +238,13 @@ class NodeAPI:
             "Paused sandboxes whose stopped QEMU process is kept for an instant resume",
             registry=self.registry,
         )
-        orchestrator.on_stopped = self.proxy.release
+        self._lost_gauge = Gauge(
+            "aenv_sandboxes_lost", "Sandboxes whose VM process exited unexpectedly", registry=self.registry
+        )
+        self._gc_gauges = {
+            name: Gauge(f"aenv_gc_{name}", help_text, registry=self.registry)
+            for name, help_text in GC_METRICS.items()
+        }
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -215,13 +293,13 @@ class NodeAPI:
     # -- proxy resolver --------------------------------------------------------------------
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
-        sandbox = await self.orchestrator.running_vm(sandbox_id, resume=resume)
-        if sandbox is None or sandbox.vm is None:
+        route = await self.node.route(sandbox_id, resume=resume)
+        if route is None:
             return None
-        record = sandbox.record
+        record = route.record
         return ProxyTarget(
             sandbox_id=record.sandbox_id,
-            network=sandbox.vm.guest.network,
+            network=route.network,
             envd_access_token=record.envd_token,
             traffic_access_token=record.traffic_token,
             secure=record.secure,
@@ -230,12 +308,13 @@ class NodeAPI:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _sandbox(self, request: web.Request) -> Sandbox:
-        return self.orchestrator.get(request.match_info["sandboxID"])
+    @staticmethod
+    def _id(request: web.Request) -> str:
+        return request.match_info["sandboxID"]
 
-    def _created(self, sandbox: Sandbox, status: int = 201) -> web.Response:
-        headers = {"X-Agentenv-Sandbox-Id": sandbox.id}
-        return web.json_response(views.sandbox(sandbox.record, self.domain), status=status, headers=headers)
+    def _created(self, record: SandboxRecord, status: int = 201) -> web.Response:
+        headers = {"X-Agentenv-Sandbox-Id": record.sandbox_id}
+        return web.json_response(views.sandbox(record, self.domain), status=status, headers=headers)
 
     # -- meta ------------------------------------------------------------------------------
 
@@ -243,15 +322,19 @@ class NodeAPI:
         return web.Response(status=204)
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        status = await self.node.status()
         counts: dict[str, int] = {}
-        for sandbox in self.orchestrator.sandboxes.values():
-            counts[sandbox.record.state] = counts.get(sandbox.record.state, 0) + 1
+        for record in status.records:
+            counts[record.state] = counts.get(record.state, 0) + 1
         self._sandboxes_gauge.clear()
         for state, count in counts.items():
             self._sandboxes_gauge.labels(state).set(count)
-        self._creates_gauge.labels("success").set(self.orchestrator.counters["create_successes"])
-        self._creates_gauge.labels("failure").set(self.orchestrator.counters["create_failures"])
-        self._parked_gauge.set(len(self.orchestrator.engine.parked))
+        self._creates_gauge.labels("success").set(status.create_successes)
+        self._creates_gauge.labels("failure").set(status.create_failures)
+        self._parked_gauge.set(status.parked)
+        self._lost_gauge.set(status.lost)
+        for name, gauge in self._gc_gauges.items():
+            gauge.set(getattr(status.gc, name))
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -266,7 +349,7 @@ class NodeAPI:
             network["denyOut"] = ["0.0.0.0/0"]
         request = CreateRequest(
             template=body.template_id,
-            timeout=self.orchestrator.settings.default_timeout if body.timeout is None else body.timeout,
+            timeout=body.timeout,
             auto_pause=bool(body.auto_pause),
             auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
             secure=secure_default if body.secure is None else body.secure,
@@ -275,7 +358,7 @@ class NodeAPI:
             metadata=dict(body.metadata or {}),
             env_vars=dict(body.env_vars or {}),
         )
-        return self._created(await self.orchestrator.create(request))
+        return self._created(await self.node.create(request))
 
     async def create_v1(self, request: web.Request) -> web.Response:
         return await self._create(await parse(request, schemas.NewSandbox), secure_default=False)
@@ -283,87 +366,70 @@ class NodeAPI:
     async def create_v2(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.NewSandbox)
         if body.secure is not None:
-            raise SandboxError(400, "secure is not a field of /v2/sandboxes: every v2 sandbox is secured")
+            raise InvalidRequest("secure is not a field of /v2/sandboxes: every v2 sandbox is secured")
         return await self._create(body, secure_default=True)
 
-    def _filtered(self, request: web.Request) -> list[Sandbox]:
-        wanted = metadata_filter(request.query.get("metadata"))
-        states = {s for s in request.query.get("state", "").split(",") if s}
-        unknown = states - {"running", "paused"}
-        if unknown:
-            raise SandboxError(400, f"unknown state filter: {', '.join(sorted(unknown))}")
-        found = []
-        for sandbox in self.orchestrator.sandboxes.values():
-            record = sandbox.record
-            if states and api_state(record.state) not in states:
-                continue
-            if any(record.metadata.get(k) != v for k, v in wanted.items()):
-                continue
-            found.append(sandbox)
-        found.sort(key=lambda s: (s.record.created_at, s.id))
-        found.sort(key=lambda s: s.record.created_at, reverse=True)
-        return found
-
     async def list_running(self, request: web.Request) -> web.Response:
-        sandboxes = [s for s in self._filtered(request) if api_state(s.record.state) == "running"]
-        return web.json_response([views.listed(s.record) for s in sandboxes])
+        query = ListQuery(
+            states=frozenset({"running"}), metadata=metadata_filter(request.query.get("metadata"))
+        )
+        return web.json_response([views.listed(r) for r in await self.node.list(query)])
 
     async def list_v2(self, request: web.Request) -> web.Response:
-        listed = [views.listed(s.record) for s in self._filtered(request)]
-        return _paginate(request, listed, lambda item: (item["startedAt"], item["sandboxID"]))
+        query = list_query(request)
+        listed = [views.listed(r) for r in await self.node.list(query)]
+        return _paginate(
+            request,
+            listed,
+            lambda item: (item["startedAt"], item["sandboxID"]),
+            ascending=query.order == "asc",
+        )
 
     async def get_sandbox(self, request: web.Request) -> web.Response:
-        return web.json_response(views.detail(self._sandbox(request).record, self.domain))
+        return web.json_response(views.detail(await self.node.get(self._id(request)), self.domain))
 
     async def kill(self, request: web.Request) -> web.Response:
-        await self.orchestrator.kill(self._sandbox(request))
+        await self.node.kill(self._id(request))
         return web.Response(status=204)
 
     async def set_timeout(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.TimeoutRequest)
-        await self.orchestrator.set_timeout(self._sandbox(request), body.timeout)
+        await self.node.set_timeout(self._id(request), body.timeout)
         return web.Response(status=204)
 
     async def refresh(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.RefreshRequest, required=False)
-        await self.orchestrator.refresh(self._sandbox(request), body.duration)
+        await self.node.refresh(self._id(request), body.duration)
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.PauseRequest, required=False)
         if body.memory is False:
-            raise SandboxError(400, "filesystem-only pause is not supported: pauses keep memory")
-        await self.orchestrator.pause(self._sandbox(request))
+            raise InvalidRequest("filesystem-only pause is not supported: pauses keep memory")
+        await self.node.pause(self._id(request))
         return web.Response(status=204)
 
     async def connect(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ConnectSandbox, required=False)
         if body.memory is False:
-            raise SandboxError(400, "resuming without memory (cold boot) is not supported")
-        sandbox = self._sandbox(request)
-        resumed = await self.orchestrator.connect(sandbox, body.timeout)
-        return self._created(sandbox, 201 if resumed else 200)
+            raise InvalidRequest("resuming without memory (cold boot) is not supported")
+        record, resumed = await self.node.connect(self._id(request), body.timeout)
+        return self._created(record, 201 if resumed else 200)
 
     async def resume(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ResumeSandbox, required=False)
-        sandbox = self._sandbox(request)
-        if api_state(sandbox.record.state) == "running":
-            raise SandboxError(409, f"sandbox {sandbox.id} is already running")
-        await self.orchestrator.connect(sandbox, body.timeout)
-        return self._created(sandbox)
+        return self._created(await self.node.resume(self._id(request), body.timeout))
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.orchestrator.metrics(self._sandbox(request)))
+        return web.json_response(await self.node.metrics(self._id(request)))
 
     async def sandbox_logs(self, request: web.Request) -> web.Response:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
-        sandbox = self._sandbox(request)
         start = _int_query(request, "start", low=0, high=1 << 62) or 0
         limit = _int_query(request, "limit", low=1, high=100_000) or 1000
-        lines = await asyncio.to_thread(self.orchestrator.engine.serial_lines, sandbox.id)
-        logs = [
-            {"timestamp": sandbox.record.started_at, "line": line} for line in lines[start : start + limit]
-        ]
+        record = await self.node.get(self._id(request))
+        lines = await self.node.logs(record.sandbox_id, start, limit)
+        logs = [{"timestamp": record.started_at, "line": line} for line in lines]
         entries = [
             {"timestamp": e["timestamp"], "message": e["line"], "level": "info", "fields": {}} for e in logs
         ]
@@ -372,16 +438,16 @@ class NodeAPI:
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)
         if body.memory is False:
-            raise SandboxError(400, "filesystem-only snapshots are not supported: snapshots keep memory")
+            raise InvalidRequest("filesystem-only snapshots are not supported: snapshots keep memory")
         name = catalog_name(body.name).lower() if body.name else None
-        manifest = await self.orchestrator.snapshot(self._sandbox(request), name)
+        manifest = await self.node.snapshot(self._id(request), name)
         return web.json_response(views.snapshot_info(manifest), status=201)
 
     async def fork(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ForkRequest, required=False)
-        children = await self.orchestrator.fork(self._sandbox(request), body.count, body.timeout)
+        children = await self.node.fork(self._id(request), body.count, body.timeout)
         return web.json_response(
-            [{"sandbox": views.sandbox(child.record, self.domain)} for child in children], status=201
+            [{"sandbox": views.sandbox(child, self.domain)} for child in children], status=201
         )
 
     async def update_network(self, request: web.Request) -> web.Response:
@@ -390,16 +456,13 @@ class NodeAPI:
         network.pop("allow_internet_access", None)
         if body.allow_internet_access is False and "denyOut" not in network:
             network["denyOut"] = ["0.0.0.0/0"]
-        await self.orchestrator.update_network(self._sandbox(request), body.allow_internet_access, network)
+        await self.node.update_network(self._id(request), body.allow_internet_access, network)
         return web.Response(status=204)
 
     # -- catalog ---------------------------------------------------------------------------
 
-    def _catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        return [m for m in self.orchestrator.engine.repository.list(kind) if "aenv.fork-of" not in m.metadata]
-
     async def list_snapshots(self, request: web.Request) -> web.Response:
-        snapshots = self._catalog("snapshot")
+        snapshots = await self.node.catalog("snapshot")
         if sandbox_id := request.query.get("sandboxID"):
             snapshots = [m for m in snapshots if m.source.get("sandbox_id") == sandbox_id]
         if name := request.query.get("name"):
@@ -408,84 +471,41 @@ class NodeAPI:
         infos = [views.snapshot_info(m) for m in snapshots]
         return _paginate(request, infos, lambda item: (item["createdAt"], item["snapshotID"]))
 
-    def _manifest(self, reference: str, kind: str | None = None) -> SnapshotManifest:
-        try:
-            manifest = self.orchestrator.engine.repository.get(catalog_name(reference))
-        except (SnapshotNotFound, InvalidName):
-            raise SandboxError(404, f"'{reference}' not found") from None
-        if kind is not None and manifest.kind != kind:
-            raise SandboxError(404, f"{kind} '{reference}' not found")
-        return manifest
-
     async def get_snapshot(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            views.snapshot_info(self._manifest(request.match_info["snapshotID"], "snapshot"))
-        )
+        manifest = await self.node.find(request.match_info["snapshotID"], "snapshot")
+        return web.json_response(views.snapshot_info(manifest))
 
     async def list_templates_v1(self, request: web.Request) -> web.Response:
-        return web.json_response([views.template(m, ENVD_VERSION) for m in self._catalog("template")])
+        templates = await self.node.catalog("template")
+        return web.json_response([views.template(m, ENVD_VERSION) for m in templates])
 
     async def list_templates_v2(self, request: web.Request) -> web.Response:
-        templates = [views.template(m, ENVD_VERSION) for m in self._catalog("template")]
+        templates = [views.template(m, ENVD_VERSION) for m in await self.node.catalog("template")]
         return _paginate(request, templates, lambda item: (item["createdAt"], item["templateID"]))
 
     async def get_template(self, request: web.Request) -> web.Response:
-        manifest = self._manifest(request.match_info["templateID"])
+        manifest = await self.node.find(request.match_info["templateID"])
         return web.json_response(views.template_with_builds(manifest, ENVD_VERSION))
 
     async def delete_template(self, request: web.Request) -> web.Response:
         """Deletes a template or snapshot; one still used by sandboxes goes when the last one does."""
-        manifest = self._manifest(request.match_info["templateID"])
-        await self.orchestrator.engine.pool.drain(manifest.id)
-        try:
-            self.orchestrator.engine.repository.delete(manifest.id, defer=True)
-        except RepositoryError as exc:
-            raise SandboxError(409, str(exc)) from exc
+        await self.node.delete_template(request.match_info["templateID"])
         return web.Response(status=204)
 
     async def template_alias(self, request: web.Request) -> web.Response:
         alias = request.match_info["alias"]
-        manifest = self._manifest(alias)
+        manifest = await self.node.find(alias)
         if manifest.alias != alias:
-            raise SandboxError(404, f"template alias not found: {alias}")
+            raise NotFound(f"template alias not found: {alias}")
         return web.json_response({"templateID": manifest.id, "public": False})
 
     # -- nodes -----------------------------------------------------------------------------
 
-    def _node(self) -> dict[str, Any]:
-        records = [s.record for s in self.orchestrator.sandboxes.values()]
-        running = [r for r in records if api_state(r.state) == "running"]
-        paused = [r for r in records if api_state(r.state) == "paused"]
-        return {
-            "version": __version__,
-            "commit": "",
-            "id": self.node_id,
-            "serviceInstanceID": self.node_id,
-            "clusterID": "",
-            "machineInfo": {
-                "cpuFamily": "",
-                "cpuModel": "",
-                "cpuModelName": platform.processor() or platform.machine(),
-                "cpuArchitecture": platform.machine(),
-            },
-            "status": "ready",
-            "sandboxCount": len(running),
-            "metrics": {
-                "allocatedCPU": sum(r.cpu_count for r in running),
-                "allocatedMemoryBytes": sum(r.memory_mb for r in running) << 20,
-                "pausedAllocatedCPU": sum(r.cpu_count for r in paused),
-                "pausedAllocatedMemoryBytes": sum(r.memory_mb for r in paused) << 20,
-            },
-            "createSuccesses": self.orchestrator.counters["create_successes"],
-            "createFails": self.orchestrator.counters["create_failures"],
-            "sandboxStartingCount": sum(1 for r in records if r.state == "creating"),
-            "sandboxPausedCount": len(paused),
-        }
-
     async def list_nodes(self, request: web.Request) -> web.Response:
-        return web.json_response([self._node()])
+        return web.json_response([views.node(await self.node.status(), __version__)])
 
     async def get_node(self, request: web.Request) -> web.Response:
-        if request.match_info["nodeID"] != self.node_id:
-            raise SandboxError(404, f"node {request.match_info['nodeID']} not found")
-        return web.json_response(self._node() | {"cachedBuilds": []})
+        status = await self.node.status()
+        if request.match_info["nodeID"] != status.node_id:
+            raise NotFound(f"node {request.match_info['nodeID']} not found")
+        return web.json_response(views.node(status, __version__) | {"cachedBuilds": []})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
+from ..orchestrator.interface import NodeStatus
 from ..orchestrator.service import DISK_SIZE_MB
-from ..orchestrator.store import PAUSED, SandboxRecord, api_state
+from ..orchestrator.states import State, api_state
+from ..orchestrator.store import SandboxRecord
 from ..snapshot.manifest import SnapshotManifest
 
 CLIENT_ID = "aenv"
@@ -27,7 +30,7 @@ def sandbox(record: SandboxRecord, domain: str) -> dict[str, Any]:
 
 def listed(record: SandboxRecord) -> dict[str, Any]:
     """`ListedSandbox`; a paused sandbox's end time is when it was paused, as E2B reports it."""
-    paused = record.state == PAUSED and record.paused_at
+    paused = record.state == State.PAUSED and record.paused_at
     return {
         "templateID": record.template_id,
         "alias": record.alias,
@@ -116,3 +119,35 @@ def template_with_builds(manifest: SnapshotManifest, envd_version: str) -> dict[
     keys = ("templateID", "public", "names", "aliases", "createdAt", "updatedAt", "lastSpawnedAt")
     keys += ("spawnCount",)
     return {key: summary[key] for key in keys} | {"builds": [build]}
+
+
+def node(status: NodeStatus, version: str) -> dict[str, Any]:
+    """A node as AgentENV's `/nodes` reports it: identity, machine, counts and allocations."""
+    records = status.records
+    running = [r for r in records if api_state(r.state) == "running"]
+    paused = [r for r in records if api_state(r.state) == "paused"]
+    return {
+        "version": version,
+        "commit": "",
+        "id": status.node_id,
+        "serviceInstanceID": status.node_id,
+        "clusterID": "",
+        "machineInfo": {
+            "cpuFamily": "",
+            "cpuModel": "",
+            "cpuModelName": platform.processor() or platform.machine(),
+            "cpuArchitecture": platform.machine(),
+        },
+        "status": "ready",
+        "sandboxCount": len(running),
+        "metrics": {
+            "allocatedCPU": sum(r.cpu_count for r in running),
+            "allocatedMemoryBytes": sum(r.memory_mb for r in running) << 20,
+            "pausedAllocatedCPU": sum(r.cpu_count for r in paused),
+            "pausedAllocatedMemoryBytes": sum(r.memory_mb for r in paused) << 20,
+        },
+        "createSuccesses": status.create_successes,
+        "createFails": status.create_failures,
+        "sandboxStartingCount": sum(1 for r in records if r.state == State.CREATING),
+        "sandboxPausedCount": len(paused),
+    }

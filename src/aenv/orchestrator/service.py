@@ -1,9 +1,9 @@
 """The sandbox lifecycle: one state machine per sandbox, TTLs, and persistence across restarts.
 
-Operations on one sandbox are serialized by its lock; its state (`store.py`) shows what is
-happening meanwhile, and the API reports it truthfully. Running sandboxes are paused (or
-killed, by configuration) when the node stops; after a crash, VMs that outlived the node are
-adopted and paused, so a restart loses nothing silently.
+Operations on one sandbox are serialized by its lock and go through the transition table of
+`states.py`, so its state shows what is happening meanwhile and the API reports it truthfully.
+Running sandboxes are paused (or killed, by configuration) when the node stops; after a crash,
+VMs that outlived the node are adopted and paused, so a restart loses nothing silently.
 """
 
 from __future__ import annotations
@@ -24,34 +24,27 @@ from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
 from ..snapshot.manifest import SnapshotManifest
-from ..snapshot.repository import RepositoryError, SnapshotNotFound
-from .store import (
-    CREATING,
-    FORKING,
-    KILLING,
-    PAUSED,
-    PAUSING,
-    RESUMING,
-    RUNNING,
-    SNAPSHOTTING,
-    SandboxRecord,
-    SandboxStore,
+from ..snapshot.repository import (
+    AliasConflict,
+    InvalidName,
+    RepositoryError,
+    SnapshotExists,
+    SnapshotNotFound,
 )
+from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError
+from .interface import CreateRequest
+from .states import Op, State, Transition, transition
+from .store import SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
 
 DISK_SIZE_MB = 4096
 AUTO_RESUME_MIN_TIMEOUT = 300
-
-
-class SandboxError(Exception):
-    """An operation refused or failed; `status` is the HTTP status the API answers with."""
-
-    def __init__(self, status: int, message: str, error_code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_code = error_code
+LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with the reason)
+# What the engine raises when an operation fails for a reason outside this process's code: QEMU,
+# QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
+# API's error boundary (logged with its traceback, answered as an internal error).
+ENGINE_FAILURES = (RuntimeError, OSError, ValueError, RepositoryError)
 
 
 def _now() -> datetime:
@@ -75,7 +68,14 @@ def egress_policy(allow_internet: bool | None, network: dict[str, Any]) -> Egres
             deny_out=tuple(network.get("denyOut") or ()),
         )
     except ValueError as exc:
-        raise SandboxError(400, str(exc)) from exc
+        raise InvalidRequest(str(exc)) from exc
+
+
+def _exit_reason(code: int) -> str:
+    """A QEMU exit status in words; -1: an adopted process, whose status only its parent saw."""
+    if code == -1:
+        return "status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
 
 def catalog_name(reference: str) -> str:
@@ -102,19 +102,6 @@ class Sandbox:
         return self.record.sandbox_id
 
 
-@dataclass(frozen=True)
-class CreateRequest:
-    template: str
-    timeout: int
-    auto_pause: bool = False
-    auto_resume: bool = False
-    secure: bool = True
-    allow_internet: bool | None = None
-    network: dict[str, Any] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
-    env_vars: dict[str, str] = field(default_factory=dict)
-
-
 class Orchestrator:
     """Owns every sandbox on this node."""
 
@@ -123,11 +110,29 @@ class Orchestrator:
         self.engine = engine
         self.store = store
         self.sandboxes: dict[str, Sandbox] = {}
-        self.counters = {"create_successes": 0, "create_failures": 0}
+        self.counters = {"create_successes": 0, "create_failures": 0, "lost": 0}
+        # Sandboxes whose VM died under them, newest last: a lookup says why they are gone.
+        self.lost: dict[str, str] = {}
+        self._watchers: dict[int, asyncio.Task[None]] = {}  # by id() of the SandboxVM they watch
         self._evictor: asyncio.Task[None] | None = None
         self._closing = False
         # Called with a sandbox id when its VM stops (pause, kill): the proxy drops its connections.
         self.on_stopped: Callable[[str], None] = lambda sandbox_id: None
+
+    # -- state transitions -----------------------------------------------------------------
+
+    def _transition(self, sandbox: Sandbox, op: Op) -> contextlib.AbstractContextManager[Transition]:
+        """One operation's state change (`states.transition`); the caller holds the sandbox's lock."""
+        if sandbox.id not in self.sandboxes:
+            raise NotFound(f"sandbox {sandbox.id} not found")
+        return transition(sandbox.record, op, self.store.put)
+
+    @contextlib.asynccontextmanager
+    async def _operation(self, sandbox: Sandbox, op: Op) -> AsyncIterator[Transition]:
+        """Take the sandbox's lock, then run `op`'s state change around the caller's work."""
+        async with sandbox.lock:
+            with self._transition(sandbox, op) as rule:
+                yield rule
 
     # -- startup and shutdown --------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class Orchestrator:
         """Namespaces of sandboxes a previous node process may have left running."""
         names = []
         for record in self.store.all():
-            if record.state != PAUSED:
+            if record.state != State.PAUSED:
                 with contextlib.suppress(OSError, ValueError):
                     names.append(self.engine.load_state(record.sandbox_id).network_name)
         return names
@@ -148,10 +153,11 @@ class Orchestrator:
         for record in self.store.all():
             sandbox = Sandbox(record)
             self.sandboxes[record.sandbox_id] = sandbox
-            if record.state != PAUSED:
-                await self._recover(sandbox, networks or {})
-            else:
-                await self._settle(sandbox)
+            async with sandbox.lock:
+                if record.state != State.PAUSED:
+                    await self._recover(sandbox, networks or {})
+                else:
+                    await self._settle(sandbox)
         self._evictor = asyncio.create_task(self._evict_forever())
 
     async def _recover(self, sandbox: Sandbox, networks: dict[str, SandboxNetwork]) -> None:
@@ -166,19 +172,22 @@ class Orchestrator:
             self._forget(sandbox)
             return
         if state.paused:
-            self._mark_paused(sandbox)
+            with self._transition(sandbox, Op.RECOVER_PAUSED):
+                self._stopped(sandbox)
             await self._settle(sandbox)
             return
         try:
-            vm = await self.engine.adopt(state, record.envd_token, networks.get(state.network_name))
-            sandbox.vm = vm
+            with self._transition(sandbox, Op.ADOPT):
+                network = networks.get(state.network_name)
+                self._attach(sandbox, await self.engine.adopt(state, record.envd_token, network))
             await self._pause_locked(sandbox)
             log.info("sandbox %s outlived the node process and was paused", record.sandbox_id)
-        except (EngineError, OSError) as exc:
+        except (*ENGINE_FAILURES, SandboxError) as exc:
             log.error("sandbox %s was lost with the previous node process: %s", record.sandbox_id, exc)
             network = networks.get(state.network_name)
             if network is not None:
                 network.destroy()  # the pool's own object, so its slot is freed
+            # Best effort on a VM that is already lost: whatever fails here, the record goes.
             with contextlib.suppress(Exception):
                 await self.engine.kill(state)
             self._forget(sandbox)
@@ -189,6 +198,7 @@ class Orchestrator:
             await self.engine.settle_paused(self.engine.load_state(sandbox.id))
         except (EngineError, OSError, LookupError) as exc:
             log.error("paused sandbox %s was lost with the previous node process: %s", sandbox.id, exc)
+            # Best effort on a sandbox that is already lost: whatever fails here, the record goes.
             with contextlib.suppress(Exception):
                 await self.engine.kill(self.engine.load_state(sandbox.id))
             self._forget(sandbox)
@@ -201,6 +211,8 @@ class Orchestrator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
         await self.engine.close()
+        for watcher in list(self._watchers.values()):
+            watcher.cancel()
         for sandbox in list(self.sandboxes.values()):
             async with sandbox.lock:
                 if sandbox.vm is None:
@@ -210,16 +222,18 @@ class Orchestrator:
                         await self._pause_locked(sandbox)
                     else:
                         await self._kill_locked(sandbox)
-                except Exception as exc:
-                    log.error("stopping sandbox %s failed: %s", sandbox.id, exc)
+                except SandboxError as exc:
+                    log.error("stopping sandbox %s failed: %s", sandbox.id, exc.message)
         self.store.close()
 
     # -- lookups ---------------------------------------------------------------------------
 
     def get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id.split("-", 1)[0])
-        if sandbox is None or sandbox.record.state == KILLING:
-            raise SandboxError(404, f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
+        if sandbox is None or sandbox.record.state == State.KILLING:
+            if reason := self.lost.get(sandbox_id.split("-", 1)[0]):
+                raise NotFound(f"sandbox {sandbox_id} was lost: {reason}")
+            raise NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
         return sandbox
 
     def resolve_template(self, reference: str) -> SnapshotManifest:
@@ -227,25 +241,25 @@ class Orchestrator:
         try:
             return self.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, RepositoryError):
-            raise SandboxError(404, f"template '{reference}' not found") from None
+            raise NotFound(f"template '{reference}' not found") from None
 
     # -- create ----------------------------------------------------------------------------
 
     async def create(self, request: CreateRequest) -> Sandbox:
         manifest = self.resolve_template(request.template)
         policy = egress_policy(request.allow_internet, request.network)
-        if request.timeout > self.settings.max_timeout:
-            raise SandboxError(400, f"timeout must be at most {self.settings.max_timeout} seconds")
+        timeout = self.settings.default_timeout if request.timeout is None else request.timeout
+        self._check_timeout(timeout)
         now = _now()
         record = SandboxRecord(
             sandbox_id=new_sandbox_id(),
             template_id=manifest.id,
             alias=manifest.alias,
-            state=CREATING,
+            state=State.CREATING,
             created_at=_iso(now),
             started_at=_iso(now),
-            end_at=_iso(now + timedelta(seconds=request.timeout)),
-            timeout=request.timeout,
+            end_at=_iso(now + timedelta(seconds=timeout)),
+            timeout=timeout,
             auto_pause=request.auto_pause,
             auto_resume=request.auto_resume,
             cpu_count=manifest.machine.vcpus,
@@ -267,178 +281,187 @@ class Orchestrator:
         async with sandbox.lock:
             self.store.put(record)
             try:
-                sandbox.vm = await self.engine.start(
-                    manifest.id, record.sandbox_id, self._guest_init(record), policy
-                )
-            except Exception as exc:
+                with self._transition(sandbox, Op.START):
+                    init = self._guest_init(record)
+                    self._attach(
+                        sandbox, await self.engine.start(manifest.id, record.sandbox_id, init, policy)
+                    )
+                    self._set_end(sandbox, timeout)
+            except Exception as exc:  # any failure to start: the sandbox never existed
                 self.counters["create_failures"] += 1
                 self._forget(sandbox)
                 log.exception("creating sandbox %s from %s failed", record.sandbox_id, manifest.id)
-                raise SandboxError(500, f"creating the sandbox failed: {exc}") from exc
-            self._set_running(sandbox, timeout=request.timeout)
+                raise OperationFailed(f"creating the sandbox failed: {exc}") from exc
         self.counters["create_successes"] += 1
         return sandbox
+
+    def _check_timeout(self, timeout: int) -> None:
+        if timeout > self.settings.max_timeout:
+            raise InvalidRequest(f"timeout must be at most {self.settings.max_timeout} seconds")
 
     def _guest_init(self, record: SandboxRecord) -> GuestInit:
         return GuestInit(env_vars=record.env_vars, access_token=record.envd_token)
 
-    def _set_running(self, sandbox: Sandbox, *, timeout: int | None = None) -> None:
-        record = sandbox.record
-        record.state = RUNNING
-        record.paused_at = None
-        if timeout is not None:
-            record.end_at = _iso(_now() + timedelta(seconds=timeout))
-        self.store.put(record)
+    def _set_end(self, sandbox: Sandbox, timeout: int) -> None:
+        sandbox.record.paused_at = None
+        sandbox.record.end_at = _iso(_now() + timedelta(seconds=timeout))
 
-    def _mark_paused(self, sandbox: Sandbox) -> None:
+    def _stopped(self, sandbox: Sandbox) -> None:
+        """The sandbox's VM is gone (paused): drop its connections and its handle."""
         self.on_stopped(sandbox.id)
         sandbox.vm = None
-        sandbox.record.state = PAUSED
         sandbox.record.paused_at = sandbox.record.paused_at or _iso(_now())
-        self.store.put(sandbox.record)
 
     def _forget(self, sandbox: Sandbox) -> None:
         self.sandboxes.pop(sandbox.id, None)
         self.store.delete(sandbox.id)
 
+    # -- VM processes that die -------------------------------------------------------------
+
+    def _attach(self, sandbox: Sandbox, vm: SandboxVM) -> None:
+        """Give the sandbox its running VM, and watch that VM's process for an unplanned exit."""
+        sandbox.vm = vm
+        if id(vm) in self._watchers:  # a parked VM resumed: its process is watched already
+            return
+        watcher = asyncio.create_task(self._watch(sandbox, vm), name=f"watch-{sandbox.id}")
+        self._watchers[id(vm)] = watcher
+        watcher.add_done_callback(lambda _: self._watchers.pop(id(vm), None))
+
+    async def _watch(self, sandbox: Sandbox, vm: SandboxVM) -> None:
+        """Wait for the VM's QEMU to exit; if the node did not end it, the sandbox is lost.
+
+        A pause or kill ends QEMU while holding the sandbox's lock and then drops the handle, so
+        a handle still in place after the lock is ours again means nobody asked for the exit
+        (kill -9, a crash, the host's OOM killer): free what the sandbox held and say so.
+        """
+        code = await vm.vm.wait()
+        async with sandbox.lock:
+            if sandbox.vm is not vm or sandbox.id not in self.sandboxes:
+                return
+            exited = _exit_reason(code)
+            reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {_iso(_now())}"
+            log.error("sandbox %s was lost: %s", sandbox.id, reason)
+            self.counters["lost"] += 1
+            self.lost[sandbox.id] = reason
+            while len(self.lost) > LOST_KEPT:
+                self.lost.pop(next(iter(self.lost)))
+            try:
+                await self._kill_locked(sandbox)
+            except ENGINE_FAILURES as exc:  # the record is gone either way; leftovers are for GC
+                log.error("cleaning up lost sandbox %s failed: %s", sandbox.id, exc)
+
     # -- operations ------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _operation(
-        self, sandbox: Sandbox, transient: str, allowed: tuple[str, ...], verb: str
-    ) -> AsyncIterator[None]:
-        """Hold the sandbox's lock in a transitional state; refuse it from the wrong state."""
-        async with sandbox.lock:
-            if sandbox.record.state == KILLING or sandbox.id not in self.sandboxes:
-                raise SandboxError(404, f"sandbox {sandbox.id} not found")
-            if sandbox.record.state not in allowed:
-                raise SandboxError(409, f"sandbox cannot be {verb} from {sandbox.record.state} state")
-            previous = sandbox.record.state
-            sandbox.record.state = transient
-            try:
-                yield
-            finally:
-                if sandbox.record.state == transient:
-                    sandbox.record.state = previous
-
     async def pause(self, sandbox: Sandbox) -> None:
-        if sandbox.record.state in (PAUSED, PAUSING):
-            raise SandboxError(409, f"sandbox {sandbox.id} is already paused")
         async with sandbox.lock:
-            if sandbox.record.state == PAUSED:
-                raise SandboxError(409, f"sandbox {sandbox.id} is already paused")
-            if sandbox.record.state != RUNNING or sandbox.vm is None:
-                raise SandboxError(409, f"sandbox cannot be paused from {sandbox.record.state} state")
             await self._pause_locked(sandbox)
 
     async def _pause_locked(self, sandbox: Sandbox) -> None:
-        assert sandbox.vm is not None
-        sandbox.record.state = PAUSING
-        try:
-            await self.engine.pause(sandbox.vm)
-        except Exception as exc:
-            sandbox.record.state = RUNNING if sandbox.vm.vm.alive() else sandbox.record.state
-            raise SandboxError(500, f"pausing sandbox {sandbox.id} failed: {exc}") from exc
-        sandbox.record.paused_at = _iso(_now())
-        self._mark_paused(sandbox)
+        with self._transition(sandbox, Op.PAUSE):
+            assert sandbox.vm is not None
+            try:
+                await self.engine.pause(sandbox.vm)
+            except ENGINE_FAILURES as exc:
+                raise OperationFailed(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
+            sandbox.record.paused_at = _iso(_now())
+            self._stopped(sandbox)
 
     async def connect(self, sandbox: Sandbox, timeout: int | None) -> bool:
         """Resume a paused sandbox or extend a running one's TTL; returns whether it resumed."""
         timeout = self.settings.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
         async with sandbox.lock:
-            if sandbox.id not in self.sandboxes or sandbox.record.state == KILLING:
-                raise SandboxError(404, f"sandbox {sandbox.id} not found")
-            if sandbox.record.state == RUNNING:
-                self._extend(sandbox, timeout)
+            if sandbox.record.state == State.RUNNING:
+                with self._transition(sandbox, Op.EXTEND):
+                    self._extend(sandbox, timeout)
                 return False
             await self._resume_locked(sandbox, timeout)
             return True
 
+    async def resume(self, sandbox: Sandbox, timeout: int | None) -> None:
+        """Resume a paused sandbox (409 if it runs: the legacy `/resume` route's contract)."""
+        timeout = self.settings.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
+        async with sandbox.lock:
+            await self._resume_locked(sandbox, timeout)
+
     async def _resume_locked(self, sandbox: Sandbox, timeout: int) -> None:
         record = sandbox.record
-        record.state = RESUMING
-        try:
-            state = self.engine.load_state(record.sandbox_id)
-            sandbox.vm = await self.engine.resume(state, self._guest_init(record))
-        except Exception as exc:
-            record.state = PAUSED
-            log.exception("resuming sandbox %s failed", record.sandbox_id)
-            raise SandboxError(500, f"resuming sandbox {record.sandbox_id} failed: {exc}") from exc
-        self._set_running(sandbox, timeout=timeout)
+        with self._transition(sandbox, Op.RESUME):
+            try:
+                state = self.engine.load_state(record.sandbox_id)
+                self._attach(sandbox, await self.engine.resume(state, self._guest_init(record)))
+            except ENGINE_FAILURES as exc:
+                log.exception("resuming sandbox %s failed", record.sandbox_id)
+                raise OperationFailed(f"resuming sandbox {record.sandbox_id} failed: {exc}") from exc
+            self._set_end(sandbox, timeout)
 
     def _extend(self, sandbox: Sandbox, timeout: int) -> None:
         """Move the end time later, never earlier (connect and refreshes)."""
         wanted = _now() + timedelta(seconds=timeout)
         if wanted > _parse(sandbox.record.end_at):
             sandbox.record.end_at = _iso(wanted)
-            self.store.put(sandbox.record)
 
     async def set_timeout(self, sandbox: Sandbox, timeout: int) -> None:
-        if timeout > self.settings.max_timeout:
-            raise SandboxError(400, f"timeout must be at most {self.settings.max_timeout} seconds")
-        async with sandbox.lock:
-            if sandbox.record.state != RUNNING:
-                raise SandboxError(404, f"sandbox {sandbox.id} is not running")
+        self._check_timeout(timeout)
+        async with self._operation(sandbox, Op.EXTEND):
             sandbox.record.end_at = _iso(_now() + timedelta(seconds=timeout))
-            self.store.put(sandbox.record)
 
     async def refresh(self, sandbox: Sandbox, duration: int | None) -> None:
-        async with sandbox.lock:
-            if sandbox.record.state != RUNNING:
-                raise SandboxError(404, f"sandbox {sandbox.id} is not running")
+        async with self._operation(sandbox, Op.EXTEND):
             self._extend(sandbox, self.settings.default_timeout if duration is None else duration)
 
     async def kill(self, sandbox: Sandbox) -> None:
         async with sandbox.lock:
-            if sandbox.id not in self.sandboxes:
-                raise SandboxError(404, f"sandbox {sandbox.id} not found")
             await self._kill_locked(sandbox)
 
     async def _kill_locked(self, sandbox: Sandbox) -> None:
-        sandbox.record.state = KILLING
-        self.store.put(sandbox.record)
-        try:
-            if sandbox.vm is not None:
-                await self.engine.kill(sandbox.vm)
-            else:
-                with contextlib.suppress(OSError):
-                    await self.engine.kill(self.engine.load_state(sandbox.id))
-        finally:
-            self.on_stopped(sandbox.id)
-            sandbox.vm = None
-            self._forget(sandbox)
+        with self._transition(sandbox, Op.KILL):
+            try:
+                if sandbox.vm is not None:
+                    await self.engine.kill(sandbox.vm)
+                else:
+                    with contextlib.suppress(OSError):
+                        await self.engine.kill(self.engine.load_state(sandbox.id))
+            finally:
+                self.on_stopped(sandbox.id)
+                sandbox.vm = None
+                self._forget(sandbox)
 
     async def snapshot(self, sandbox: Sandbox, name: str | None) -> SnapshotManifest:
-        async with self._operation(sandbox, SNAPSHOTTING, (RUNNING,), "snapshotted"):
+        async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
             try:
                 return await self.engine.snapshot(sandbox.vm, alias=name, metadata={"sandbox_id": sandbox.id})
-            except RepositoryError as exc:
-                raise SandboxError(400, str(exc)) from exc
-            except Exception as exc:
-                raise SandboxError(500, f"snapshot of sandbox {sandbox.id} failed: {exc}") from exc
+            except InvalidName as exc:
+                raise InvalidRequest(str(exc)) from exc
+            except (AliasConflict, SnapshotExists) as exc:
+                raise Conflict(str(exc)) from exc
+            except ENGINE_FAILURES as exc:
+                raise OperationFailed(f"snapshot of sandbox {sandbox.id} failed: {exc}") from exc
 
     async def fork(self, sandbox: Sandbox, count: int, timeout: int | None) -> list[Sandbox]:
         if not 1 <= count <= self.settings.max_fork_count:
-            raise SandboxError(400, f"count must be between 1 and {self.settings.max_fork_count}")
-        async with self._operation(sandbox, FORKING, (RUNNING,), "forked"):
+            raise InvalidRequest(f"count must be between 1 and {self.settings.max_fork_count}")
+        if timeout is not None:
+            self._check_timeout(timeout)
+        async with self._operation(sandbox, Op.FORK):
             assert sandbox.vm is not None
             source = sandbox.record
             ttl = timeout if timeout is not None else source.timeout
-            children = [self._child_record(source, ttl) for _ in range(count)]
+            children = [Sandbox(self._child_record(source, ttl)) for _ in range(count)]
             try:
                 vms = await self.engine.fork(
-                    sandbox.vm, [(child.sandbox_id, self._guest_init(child)) for child in children]
+                    sandbox.vm, [(child.id, self._guest_init(child.record)) for child in children]
                 )
-            except Exception as exc:
-                raise SandboxError(500, f"fork of sandbox {sandbox.id} failed: {exc}") from exc
-            started = []
+            except ENGINE_FAILURES as exc:
+                raise OperationFailed(f"fork of sandbox {sandbox.id} failed: {exc}") from exc
             for child, vm in zip(children, vms, strict=True):
-                forked = Sandbox(child, vm=vm)
-                self.sandboxes[child.sandbox_id] = forked
-                self._set_running(forked, timeout=ttl)
-                started.append(forked)
-            return started
+                self._attach(child, vm)
+                self.sandboxes[child.id] = child
+                with self._transition(child, Op.START):
+                    self._set_end(child, ttl)
+            return children
 
     def _child_record(self, source: SandboxRecord, ttl: int) -> SandboxRecord:
         now = _now()
@@ -446,7 +469,7 @@ class Orchestrator:
             **{
                 **source.__dict__,
                 "sandbox_id": new_sandbox_id(),
-                "state": CREATING,
+                "state": State.CREATING,
                 "created_at": _iso(now),
                 "started_at": _iso(now),
                 "end_at": _iso(now + timedelta(seconds=ttl)),
@@ -463,16 +486,21 @@ class Orchestrator:
     async def update_network(
         self, sandbox: Sandbox, allow_internet: bool | None, network: dict[str, Any]
     ) -> None:
-        async with sandbox.lock:
-            if sandbox.record.state != RUNNING:
-                raise SandboxError(409, f"sandbox network cannot be changed in {sandbox.record.state} state")
-            keep = {k: v for k, v in sandbox.record.network.items() if k not in ("allowOut", "denyOut")}
-            sandbox.record.network = {**keep, **network}
+        """Replace the running sandbox's egress rules at once; resume and fork keep them."""
+        keep = {k: v for k, v in sandbox.record.network.items() if k not in ("allowOut", "denyOut")}
+        merged = {**keep, **network}
+        policy = egress_policy(allow_internet, merged)
+        async with self._operation(sandbox, Op.NETWORK):
+            assert sandbox.vm is not None
+            try:
+                await self.engine.set_policy(sandbox.vm, policy)
+            except ENGINE_FAILURES as exc:
+                raise OperationFailed(f"changing the network of sandbox {sandbox.id} failed: {exc}") from exc
+            sandbox.record.network = merged
             sandbox.record.allow_internet = allow_internet
-            self.store.put(sandbox.record)
 
     async def metrics(self, sandbox: Sandbox) -> list[dict[str, Any]]:
-        if sandbox.record.state != RUNNING or sandbox.vm is None:
+        if sandbox.record.state != State.RUNNING or sandbox.vm is None:
             return []
         sample = await sandbox.vm.envd.metrics()
         now = _now()
@@ -497,14 +525,14 @@ class Orchestrator:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             return None
-        if sandbox.record.state in (PAUSED, PAUSING) and resume and sandbox.record.auto_resume:
+        if sandbox.record.state in (State.PAUSED, State.PAUSING) and resume and sandbox.record.auto_resume:
             async with sandbox.lock:
-                if sandbox.record.state == PAUSED:
+                if sandbox.record.state == State.PAUSED:
                     timeout = max(sandbox.record.timeout, AUTO_RESUME_MIN_TIMEOUT)
                     with contextlib.suppress(SandboxError):
                         await self._resume_locked(sandbox, timeout)
         # Pausing or killing: traffic gets the proxy's 502 rather than a VM about to go away.
-        serving = sandbox.record.state in (RUNNING, SNAPSHOTTING, FORKING)
+        serving = sandbox.record.state in (State.RUNNING, State.SNAPSHOTTING, State.FORKING)
         return sandbox if serving and sandbox.vm is not None else None
 
     # -- TTL -------------------------------------------------------------------------------
@@ -519,12 +547,12 @@ class Orchestrator:
         now = _now()
         for sandbox in list(self.sandboxes.values()):
             record = sandbox.record
-            if record.state != RUNNING or sandbox.lock.locked() or _parse(record.end_at) > now:
+            if record.state != State.RUNNING or sandbox.lock.locked() or _parse(record.end_at) > now:
                 continue
             started = time.monotonic()
             try:
                 async with sandbox.lock:
-                    if record.state != RUNNING or _parse(record.end_at) > _now():
+                    if record.state != State.RUNNING or _parse(record.end_at) > _now():
                         continue
                     if record.auto_pause:
                         await self._pause_locked(sandbox)
@@ -536,5 +564,5 @@ class Orchestrator:
                     "paused" if record.auto_pause else "killed",
                     1000 * (time.monotonic() - started),
                 )
-            except Exception as exc:
-                log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc)
+            except SandboxError as exc:
+                log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc.message)

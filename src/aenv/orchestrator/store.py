@@ -8,14 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Internal states; the API shows only running or paused (see `api_state`).
-CREATING, RUNNING, PAUSING, PAUSED, RESUMING = "creating", "running", "pausing", "paused", "resuming"
-SNAPSHOTTING, FORKING, KILLING = "snapshotting", "forking", "killing"
-_SHOWN_PAUSED = {PAUSING, PAUSED}
-
-
-def api_state(state: str) -> str:
-    return "paused" if state in _SHOWN_PAUSED else "running"
+from .states import State
 
 
 @dataclass
@@ -25,7 +18,7 @@ class SandboxRecord:
     sandbox_id: str
     template_id: str
     alias: str | None
-    state: str
+    state: State
     created_at: str
     started_at: str
     end_at: str
@@ -44,6 +37,9 @@ class SandboxRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     paused_at: str | None = None
+
+    def __post_init__(self) -> None:
+        self.state = State(self.state)  # rows store the state's plain string
 
 
 class SandboxStore:

@@ -103,6 +103,11 @@ class MachineConfig:
             )
             if drive.read_only:
                 options += ",read-only=on"
+            else:
+                # Space the guest frees (fstrim, discard mounts) is freed in the layer file too;
+                # otherwise a sandbox's layer only ever grows. Host-side only: the device state
+                # snapshots record is the same either way.
+                options += ",discard=unmap,file.discard=unmap"
             argv += ["-blockdev", options, "-device", f"virtio-blk-device,drive={drive.node}"]
         if tap_fd is not None:
             argv += [

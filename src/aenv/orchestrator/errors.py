@@ -1,0 +1,37 @@
+"""What a node operation can refuse or fail with, by kind rather than by HTTP status.
+
+The orchestrator and the node service raise these; the HTTP layer maps each kind to a status in
+one table (`aenv.api.server.STATUS`), and a gateway can map them the same way, so the same
+situation always gets the same answer whichever operation met it.
+"""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """A refused or failed operation; `message` is what the client is told."""
+
+    def __init__(self, message: str, error_code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.error_code = error_code
+
+
+class InvalidRequest(SandboxError):
+    """The request itself is wrong (a value out of range, a name that cannot be used)."""
+
+
+class NotFound(SandboxError):
+    """No such sandbox, template or snapshot (or none in a state the operation can see)."""
+
+
+class Conflict(SandboxError):
+    """The target exists but its state does not allow the operation now."""
+
+
+class Unavailable(SandboxError):
+    """The node cannot take the operation now (capacity, shutting down); retrying later may work."""
+
+
+class OperationFailed(SandboxError):
+    """The node tried and failed; the state the API reports afterwards is the truth."""

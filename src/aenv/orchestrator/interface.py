@@ -1,0 +1,110 @@
+"""The node service: everything the HTTP API (and later a cluster gateway) may ask of a node.
+
+The API layer talks to a node only through `NodeService`, by sandbox id and with plain records
+in and out, so the same handlers can serve one node in process (`aenv.orchestrator.local`) or
+a gateway that forwards each call to the node holding the sandbox. Failures are the typed errors
+of `aenv.orchestrator.errors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+from ..network.netns import SandboxNetwork
+from ..snapshot.manifest import SnapshotManifest
+from .housekeeping import GcTotals
+from .store import SandboxRecord
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    template: str
+    timeout: int | None = None  # seconds; None: the node's default
+    auto_pause: bool = False
+    auto_resume: bool = False
+    secure: bool = True
+    allow_internet: bool | None = None
+    network: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ListQuery:
+    """E2B's list filters; an empty field filters nothing."""
+
+    states: frozenset[str] = frozenset()  # "running", "paused"
+    metadata: dict[str, str] = field(default_factory=dict)
+    template: str | None = None  # a template's id or alias
+    started_after: datetime | None = None  # inclusive bounds on the start time
+    started_before: datetime | None = None
+    order: Literal["asc", "desc"] = "desc"  # by start time
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where data-plane traffic for a running sandbox goes, with what it takes to be let in."""
+
+    record: SandboxRecord
+    network: SandboxNetwork
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node_id: str
+    records: list[SandboxRecord]
+    create_successes: int
+    create_failures: int
+    lost: int  # sandboxes whose VM process exited without the node asking it to
+    parked: int  # paused sandboxes that keep their stopped QEMU process
+    gc: GcTotals
+
+
+class NodeService(Protocol):
+    async def create(self, request: CreateRequest) -> SandboxRecord: ...
+
+    async def get(self, sandbox_id: str) -> SandboxRecord: ...
+
+    async def list(self, query: ListQuery) -> list[SandboxRecord]: ...
+
+    async def kill(self, sandbox_id: str) -> None: ...
+
+    async def pause(self, sandbox_id: str) -> None: ...
+
+    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox or extend a running one's TTL; also says whether it resumed."""
+        ...
+
+    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord: ...
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> None: ...
+
+    async def refresh(self, sandbox_id: str, duration: int | None) -> None: ...
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotManifest: ...
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]: ...
+
+    async def update_network(
+        self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
+    ) -> None: ...
+
+    async def metrics(self, sandbox_id: str) -> list[dict[str, Any]]: ...
+
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]: ...
+
+    async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
+        """Templates and snapshots users can see (a fork's internal snapshot is not one)."""
+        ...
+
+    async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest: ...
+
+    async def delete_template(self, reference: str) -> None: ...
+
+    async def status(self) -> NodeStatus: ...
+
+    async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
+        """The running sandbox's route; a paused one with auto-resume on is resumed if `resume`."""
+        ...

@@ -1,0 +1,159 @@
+"""The node service of this process: `NodeService` over the orchestrator and the snapshot engine.
+
+It translates ids into sandboxes and sandboxes into records, so callers never hold a VM handle,
+and it owns the catalog operations that span the engine's parts (deleting a template drains its
+warm pool before the repository lets it go).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime
+from typing import Any
+
+from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
+from .errors import Conflict, NotFound
+from .housekeeping import Housekeeper
+from .interface import CreateRequest, ListQuery, NodeStatus, Route
+from .service import Orchestrator, Sandbox, catalog_name
+from .states import api_state
+from .store import SandboxRecord
+
+log = logging.getLogger(__name__)
+
+FORK_MARK = "aenv.fork-of"  # metadata of the hidden snapshot a fork's children start from
+
+
+def _started(record: SandboxRecord) -> datetime:
+    return datetime.fromisoformat(record.started_at)
+
+
+def matches(record: SandboxRecord, query: ListQuery) -> bool:
+    """Whether a sandbox passes every filter of the query (E2B's list semantics)."""
+    if query.states and api_state(record.state) not in query.states:
+        return False
+    if any(record.metadata.get(k) != v for k, v in query.metadata.items()):
+        return False
+    if query.template is not None:
+        wanted = catalog_name(query.template)
+        if wanted not in (record.template_id, record.alias):
+            return False
+    if query.started_after is not None and _started(record) < query.started_after:
+        return False
+    return query.started_before is None or _started(record) <= query.started_before
+
+
+class LocalNode:
+    """`NodeService` for the sandboxes and catalog of this node process."""
+
+    def __init__(self, orchestrator: Orchestrator, housekeeper: Housekeeper, node_id: str):
+        self.orchestrator = orchestrator
+        self.housekeeper = housekeeper
+        self.node_id = node_id
+        self._engine = orchestrator.engine
+
+    def _sandbox(self, sandbox_id: str) -> Sandbox:
+        return self.orchestrator.get(sandbox_id)
+
+    # -- sandboxes -------------------------------------------------------------------------
+
+    async def create(self, request: CreateRequest) -> SandboxRecord:
+        return (await self.orchestrator.create(request)).record
+
+    async def get(self, sandbox_id: str) -> SandboxRecord:
+        return self._sandbox(sandbox_id).record
+
+    async def list(self, query: ListQuery) -> list[SandboxRecord]:
+        """Matching sandboxes by start time (newest first unless `order` is asc), then by id."""
+        found = [s.record for s in self.orchestrator.sandboxes.values() if matches(s.record, query)]
+        found.sort(key=lambda r: r.sandbox_id)
+        found.sort(key=_started, reverse=query.order == "desc")
+        return found
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self.orchestrator.kill(self._sandbox(sandbox_id))
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self.orchestrator.pause(self._sandbox(sandbox_id))
+
+    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+        sandbox = self._sandbox(sandbox_id)
+        resumed = await self.orchestrator.connect(sandbox, timeout)
+        return sandbox.record, resumed
+
+    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        sandbox = self._sandbox(sandbox_id)
+        await self.orchestrator.resume(sandbox, timeout)
+        return sandbox.record
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
+        await self.orchestrator.set_timeout(self._sandbox(sandbox_id), timeout)
+
+    async def refresh(self, sandbox_id: str, duration: int | None) -> None:
+        await self.orchestrator.refresh(self._sandbox(sandbox_id), duration)
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotManifest:
+        return await self.orchestrator.snapshot(self._sandbox(sandbox_id), name)
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]:
+        children = await self.orchestrator.fork(self._sandbox(sandbox_id), count, timeout)
+        return [child.record for child in children]
+
+    async def update_network(
+        self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
+    ) -> None:
+        await self.orchestrator.update_network(self._sandbox(sandbox_id), allow_internet, network)
+
+    async def metrics(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return await self.orchestrator.metrics(self._sandbox(sandbox_id))
+
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+        """The guest's serial console (kernel, init and envd messages), oldest first."""
+        sandbox = self._sandbox(sandbox_id)
+        lines = await asyncio.to_thread(self._engine.serial_lines, sandbox.id)
+        return lines[start : start + limit]
+
+    # -- catalog ---------------------------------------------------------------------------
+
+    async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
+        return [m for m in self._engine.repository.list(kind) if FORK_MARK not in m.metadata]
+
+    async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
+        try:
+            manifest = self._engine.repository.get(catalog_name(reference))
+        except (SnapshotNotFound, InvalidName):
+            raise NotFound(f"'{reference}' not found") from None
+        if kind is not None and manifest.kind != kind:
+            raise NotFound(f"{kind} '{reference}' not found")
+        return manifest
+
+    async def delete_template(self, reference: str) -> None:
+        """Delete a template or snapshot; one still used by sandboxes goes when the last one does."""
+        manifest = await self.find(reference)
+        await self._engine.pool.drain(manifest.id)
+        try:
+            self._engine.repository.delete(manifest.id, defer=True)
+        except RepositoryError as exc:
+            raise Conflict(str(exc)) from exc
+        log.info("deleted %s %s (%s)", manifest.kind, manifest.id, manifest.alias or "no alias")
+
+    # -- node ------------------------------------------------------------------------------
+
+    async def status(self) -> NodeStatus:
+        return NodeStatus(
+            node_id=self.node_id,
+            records=[s.record for s in self.orchestrator.sandboxes.values()],
+            create_successes=self.orchestrator.counters["create_successes"],
+            create_failures=self.orchestrator.counters["create_failures"],
+            lost=self.orchestrator.counters["lost"],
+            parked=len(self._engine.parked),
+            gc=self.housekeeper.totals,
+        )
+
+    async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
+        sandbox = await self.orchestrator.running_vm(sandbox_id, resume=resume)
+        if sandbox is None or sandbox.vm is None:
+            return None
+        return Route(record=sandbox.record, network=sandbox.vm.guest.network)
