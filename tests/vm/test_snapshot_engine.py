@@ -15,6 +15,7 @@ import pytest
 from aenv.snapshot.engine import EngineError, GuestInit, SnapshotEngine
 from aenv.snapshot.manifest import new_snapshot_id
 from aenv.snapshot.repository import SnapshotRepository
+from aenv.snapshot.warm import WarmRecord
 
 # A long-running interpreter that keeps a value in memory and serves it with its PID.
 KEEPER = """
@@ -240,11 +241,20 @@ def test_restoring_on_a_different_machine_is_refused(
 
 def test_garbage_is_collected(base_template, engine, sandboxes):
     source = sandboxes.start(base_template.id)
+    running = sandboxes.start(base_template.id)
     snapshot = sandboxes.snapshot(source)
     sealed = [layer for layer in snapshot.disk_layers if layer not in base_template.disk_layers]
     sandboxes.kill(source.sandbox_id)
     engine.repository.delete(snapshot.id)
-    report = engine.collect_garbage(grace_seconds=0)
+    sandboxes.node.run(engine.pool.set_target(base_template.id, 1))
+    try:
+        sandboxes.node.run(engine.pool.wait_filled(base_template.id))
+        warm = [WarmRecord.load(r).top_layer for r in WarmRecord.found(engine.warm.directory)]
+        report = engine.collect_garbage(grace_seconds=0)
+        # What a running sandbox or a warm VM writes to is never garbage, however old.
+        assert warm and all(engine.layers.exists(layer) for layer in [*warm, running.state.disk_layers[-1]])
+    finally:
+        sandboxes.node.run(engine.pool.drain(base_template.id))
     assert set(sealed) <= set(report.removed_layers)
     assert snapshot.device_state in report.blobs.removed_blobs or not engine.repository.has_blob(
         snapshot.device_state

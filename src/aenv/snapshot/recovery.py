@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import time
@@ -27,6 +28,10 @@ from .model import EngineError, GarbageReport, SandboxState, SandboxVM
 from .warm import WarmRecord
 
 QEMU_BINARY_NAME = b"qemu-system"
+# A layer nothing names yet may belong to an operation in progress (a create before its state is
+# saved, the new top of a snapshot, a template build): it is collected only this long after its
+# last write (unless a collection names another grace period).
+LAYER_GRACE_SECONDS = 3600.0
 
 
 def is_our_vm(layers: LayerStore, pid: int | None, layer_ids: list[str]) -> bool:
@@ -48,6 +53,19 @@ def kill_stray(layers: LayerStore, pid: int | None, layer_ids: list[str]) -> Non
     if pid is not None and is_our_vm(layers, pid, layer_ids):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def layers_of_running_vms(layers: LayerStore) -> set[str]:
+    """Layers named on the command line of a live QEMU process: whatever they are, they are in use."""
+    pattern = re.compile(re.escape(str(layers.root)).encode() + rb"/([a-z0-9]+)\.qcow2")
+    found: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                if QEMU_BINARY_NAME in cmdline.split(b"\0", 1)[0]:
+                    found.update(match.decode() for match in pattern.findall(cmdline))
+    return found
 
 
 class Recovery:
@@ -119,13 +137,28 @@ class Recovery:
         return leftovers
 
     def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
-        """Remove disk layers, runtime files and blobs nothing refers to any more (see `repository.gc`)."""
+        """Remove disk layers, runtime files and blobs nothing refers to any more (see `repository.gc`).
+
+        A layer stays while a manifest, a sandbox's saved state, a warm VM's record or a live QEMU
+        process names it, and for the grace period after its last write (`LAYER_GRACE_SECONDS`
+        unless `grace_seconds` says otherwise), so collection can run while sandboxes are
+        created, snapshotted and taken from the warm pool.
+        """
         host = self.host
         used = {layer for m in host.repository.list() for layer in m.disk_layers}
         used |= {layer for state in host.sandbox_states() for layer in state.disk_layers}
-        orphans = sorted(host.layers.all_ids() - used)
+        used |= self._warm_layers() | layers_of_running_vms(host.layers)
+        cutoff = time.time() - (LAYER_GRACE_SECONDS if grace_seconds is None else grace_seconds)
+        orphans = sorted(i for i in host.layers.all_ids() - used if host.layers.modified(i) < cutoff)
         for layer in orphans:
             host.layers.remove(layer)
         host.runtime.prune(host.repository.is_live)
         blobs = host.repository.gc(grace_seconds=grace_seconds)
         return GarbageReport(removed_layers=tuple(orphans), blobs=blobs)
+
+    def _warm_layers(self) -> set[str]:
+        layers = set()
+        for record_file in WarmRecord.found(self.warm_dir):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                layers.add(WarmRecord.load(record_file).top_layer)
+        return layers

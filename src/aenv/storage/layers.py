@@ -82,6 +82,13 @@ class LayerStore:
         """Mark a layer read-only: from now on it is shared, never written."""
         os.chmod(self.path(layer_id), 0o444)
 
+    def modified(self, layer_id: str) -> float:
+        """When the layer was last written (seconds since the epoch); 0 if it is gone."""
+        try:
+            return self.path(layer_id).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
     def remove(self, layer_id: str) -> None:
         self.path(layer_id).unlink(missing_ok=True)
 
