@@ -252,7 +252,8 @@ def test_garbage_is_collected(base_template, engine, sandboxes):
         warm = [WarmRecord.load(r).top_layer for r in WarmRecord.found(engine.warm.directory)]
         report = engine.collect_garbage(grace_seconds=0)
         # What a running sandbox or a warm VM writes to is never garbage, however old.
-        assert warm and all(engine.layers.exists(layer) for layer in [*warm, running.state.disk_layers[-1]])
+        kept = [*warm, running.vm.state.disk_layers[-1]]
+        assert warm and all(engine.layers.exists(layer) for layer in kept)
     finally:
         sandboxes.node.run(engine.pool.drain(base_template.id))
     assert set(sealed) <= set(report.removed_layers)
