@@ -96,15 +96,20 @@ def strings(msg: Message | None, camel: str, what: str) -> list[str]:
     return [c_string(item, what) for item in value]
 
 
-def environment(value: Any, what: str = "envs") -> dict[str, str]:
-    """A map of environment variables: string names without '=' or NUL, string values without NUL."""
+def string_map(value: Any, what: str) -> dict[str, str]:
+    """A proto3 `map<string, string>`."""
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise invalid(f"{what} must map names to strings")
-    for name, val in value.items():
-        if not name or "=" in name:
-            raise invalid(f"{what}: invalid variable name {name[:64]!r}")
-        c_string(name, f"{what} name")
-        c_string(val, f"{what} value of {name[:64]}")
     return dict(value)
+
+
+def environment(env: dict[str, str]) -> dict[str, str]:
+    """An environment a process can get: names non-empty without '=' or NUL, values without NUL."""
+    for name, value in env.items():
+        if not name or "=" in name:
+            raise invalid(f"invalid environment variable name {name[:64]!r}")
+        c_string(name, "environment variable name")
+        c_string(value, f"value of environment variable {name[:64]}")
+    return env

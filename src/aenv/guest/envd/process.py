@@ -27,7 +27,18 @@ from .connect import (
     timeout_seconds,
     unary,
 )
-from .inputs import c_string, environment, flag, invalid, obj, optional_text, strings, text, uint32
+from .inputs import (
+    c_string,
+    environment,
+    flag,
+    invalid,
+    obj,
+    optional_text,
+    string_map,
+    strings,
+    text,
+    uint32,
+)
 from .state import State
 from .users import User, request_user, resolve_path
 
@@ -348,12 +359,13 @@ class ProcessService:
         if not cmd:
             raise invalid("process.cmd is required")
         args = strings(config, "args", "process.args")
-        envs = environment(field(config, "envs"), "process.envs")
+        envs = string_map(field(config, "envs"), "process.envs")
         cwd = self._cwd(optional_text(config, "cwd"), user)
         pty = obj(req, "pty")
         winsize = _winsize(obj(pty, "size")) if pty is not None else None
         want_stdin = flag(req, "stdin")
         tag = optional_text(req, "tag")
+        env = environment(self._environment(user, envs))
 
         as_root = os.geteuid() == 0
         to_close: list[int] = []
@@ -381,7 +393,7 @@ class ProcessService:
                     stdio["stdin"] = in_r
             popen = subprocess.Popen(
                 [cmd, *args],
-                env=self._environment(user, envs),
+                env=env,
                 cwd=cwd,
                 start_new_session=True,
                 preexec_fn=_child_setup(user if as_root else None, winsize is not None),

@@ -16,7 +16,7 @@ from aiohttp import web
 from . import ENVD_VERSION
 from .connect import ConnectError, loads
 from .httperr import UNAUTHORIZED, json_error
-from .inputs import c_string, environment, path_string, text
+from .inputs import c_string, path_string, string_map, text
 from .state import State, same_secret
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class SystemAPI:
         if not isinstance(body, dict):
             return json_error(400, "body must be a JSON object")
         try:
-            env_vars = environment(body.get("envVars"), "envVars")
+            env_vars = string_map(body.get("envVars"), "envVars")
             token, user, workdir = (
                 text(body, name) for name in ("accessToken", "defaultUser", "defaultWorkdir")
             )
