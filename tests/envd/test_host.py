@@ -8,6 +8,7 @@ import gzip
 import json
 import struct
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
 from aenv.guest.envd import ENVD_VERSION
+from tests.conftest import wait_for
 
 from .conftest import EnvdProcess, run_envd, sdk_sandbox
 
@@ -376,7 +378,8 @@ def test_signals_envd_does_not_send_are_refused(envd_server):
         content=_envelope(body),
         headers=_headers(envd_server),
     ) as r:
-        pid = _first_message(r)["event"]["start"]["pid"]
+        chunks = r.iter_raw()
+        pid = _first_message(chunks)["event"]["start"]["pid"]
         for signal in ("SIGNAL_SIGINT", "SIGNAL_UNSPECIFIED", 2, True, {"x": 1}, None):
             r2 = _unary(
                 envd_server, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": signal}
@@ -422,25 +425,35 @@ def test_init_settings_survive_an_envd_restart(tmp_path):
         assert httpx.get(envd.url + "/envs", headers={"X-Access-Token": "the-token"}).json() == {"K": "v"}
 
 
-def test_unread_stream_leaves_output_in_the_pipe(envd_server):
-    """A client that reads nothing must not make envd buffer the output of `yes`."""
+def test_unread_stream_stops_the_writer(envd_server):
+    """A client that reads nothing leaves the output in the pipe: the writer blocks, envd stays small."""
     peak_before = _peak_rss_kib(envd_server.proc.pid)
-    body = {"process": {"cmd": "/usr/bin/yes"}, "stdin": False}
+    body = {"process": {"cmd": "/usr/bin/head", "args": ["-c", "256M", "/dev/zero"]}, "stdin": False}
     with httpx.stream(
         "POST",
         envd_server.url + "/process.Process/Start",
         content=_envelope(body),
         headers=_headers(envd_server),
     ) as r:
-        _first_message(r)
-        pid = None
-        for _ in range(20):  # envd keeps serving while the stream is stuck
-            procs = _unary(envd_server, "process.Process/List", {}).json()["processes"]
-            pid = next(p["pid"] for p in procs if p["config"]["cmd"] == "/usr/bin/yes")
+        chunks = r.iter_raw()  # held: dropping it would close the stream
+        pid = _first_message(chunks)["event"]["start"]["pid"]
+        written: list[int] = []
+
+        def writer_blocked() -> bool:
+            written.append(_written_bytes(pid))
+            return len(written) >= 5 and len(set(written[-5:])) == 1
+
+        wait_for(writer_blocked, timeout=60, interval=0.2)
+        assert written[-1] < 16 << 20
         assert _peak_rss_kib(envd_server.proc.pid) - peak_before < 64 << 10
         _unary(
             envd_server, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}
         )
+
+
+def _written_bytes(pid: int) -> int:
+    io = Path(f"/proc/{pid}/io").read_text()
+    return int(next(line for line in io.splitlines() if line.startswith("wchar:")).split()[1])
 
 
 def _peak_rss_kib(pid: int) -> int:
@@ -448,10 +461,10 @@ def _peak_rss_kib(pid: int) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
 
 
-def _first_message(resp: httpx.Response) -> dict:
-    """The first message of a stream, leaving the rest of the response unread."""
+def _first_message(chunks: Iterator[bytes]) -> dict:
+    """The first message of a stream, leaving the rest unread (and the stream open: keep `chunks`)."""
     buf = b""
-    for chunk in resp.iter_raw():
+    for chunk in chunks:
         buf += chunk
         if len(buf) >= 5 and len(buf) >= 5 + struct.unpack(">I", buf[1:5])[0]:
             return json.loads(buf[5 : 5 + struct.unpack(">I", buf[1:5])[0]])
