@@ -259,6 +259,8 @@ class Proc:
                 self.publish({"data": {kind: _b64(data)}})
                 await asyncio.sleep(0)  # a producer faster than envd must not starve the loop
         finally:
+            if fd == self.pty_master:  # input must never go to whatever reuses the number
+                self.pty_master = None
             os.close(fd)
 
     async def wait_exit(self) -> int:
