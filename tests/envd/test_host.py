@@ -6,6 +6,7 @@ import asyncio
 import base64
 import gzip
 import json
+import os
 import struct
 import time
 from collections.abc import Iterator
@@ -469,3 +470,16 @@ def _first_message(chunks: Iterator[bytes]) -> dict:
         if len(buf) >= 5 and len(buf) >= 5 + struct.unpack(">I", buf[1:5])[0]:
             return json.loads(buf[5 : 5 + struct.unpack(">I", buf[1:5])[0]])
     raise AssertionError("stream ended before its first message")
+
+
+def test_fifos_are_refused_not_waited_on(envd_server, tmp_path):
+    """Opening a FIFO blocks until its peer comes: envd must refuse it rather than lose a worker."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    url, auth = envd_server.url + "/files", {"X-Access-Token": envd_server.token}
+    raw = {**auth, "Content-Type": "application/octet-stream"}
+    for _ in range(10):  # more than envd's worker threads
+        _assert_json_error(httpx.get(url, params={"path": str(fifo)}, headers=auth), 400)
+        _assert_json_error(httpx.post(url, params={"path": str(fifo)}, content=b"x", headers=raw), 400)
+    r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": str(fifo)})
+    assert r.status_code == 200

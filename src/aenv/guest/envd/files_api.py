@@ -49,7 +49,7 @@ def _os_failure(err: OSError, path: str) -> HTTPFailure:
         return HTTPFailure(400, f"path '{path}' is a directory")
     if err.errno == errno.ENOTDIR:
         return HTTPFailure(400, f"path '{path}' has a non-directory parent")
-    if err.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL):
+    if err.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL, errno.ENXIO):
         return HTTPFailure(400, f"invalid path '{path}': {err.strerror}")
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return HTTPFailure(507, "not enough disk space available")
@@ -125,12 +125,8 @@ class FilesAPI:
             path = self._path(raw, user)
 
             def open_file() -> tuple[int, int]:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                st = os.fstat(fd)
-                if stat.S_ISDIR(st.st_mode):
-                    os.close(fd)
-                    raise IsADirectoryError(errno.EISDIR, "is a directory")
-                return fd, st.st_size
+                fd = _open_data(path, os.O_RDONLY)
+                return fd, os.fstat(fd).st_size
 
             try:
                 fd, size = await asyncio.to_thread(run_as, user, open_file)
@@ -240,9 +236,7 @@ class FilesAPI:
                 os.makedirs(parent, exist_ok=True)
             except FileExistsError:
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory") from None
-            if os.path.isdir(path):
-                raise IsADirectoryError(errno.EISDIR, "is a directory")
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            return _open_data(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
         try:
             fd = await asyncio.to_thread(run_as, user, open_target)
@@ -264,6 +258,22 @@ class FilesAPI:
         if stored := read_metadata(path):
             info["metadata"] = stored
         return info
+
+
+def _open_data(path: str, flags: int) -> int:
+    """Open a file whose bytes are to be read or written whole; never block on a FIFO.
+
+    Opening a FIFO that has no peer blocks, and would hold one of envd's few worker threads for
+    good, so the open is non-blocking and FIFOs, sockets and directories are refused."""
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        raise OSError(errno.EINVAL, "not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _store_metadata(fd: int, path: str, metadata: dict[str, str]) -> None:
