@@ -41,7 +41,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def run_envd(
-    tmp: Path, token: str | None = None, env_vars: dict[str, str] | None = None
+    tmp: Path,
+    token: str | None = None,
+    env_vars: dict[str, str] | None = None,
+    state_file: Path | None = None,
 ) -> Iterator[EnvdProcess]:
     """Start envd on a free loopback port, wait for /health, optionally /init it; always stop it."""
     port = free_port()
@@ -63,6 +66,7 @@ def run_envd(
                 "root",
                 "--default-workdir",
                 str(workdir),
+                *(["--state-file", str(state_file)] if state_file else []),
             ],
             stdout=logf,
             stderr=subprocess.STDOUT,

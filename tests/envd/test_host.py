@@ -6,8 +6,10 @@ import asyncio
 import base64
 import gzip
 import json
+import os
 import struct
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -18,8 +20,9 @@ from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
 from aenv.guest.envd import ENVD_VERSION
+from tests.conftest import wait_for
 
-from .conftest import EnvdProcess, sdk_sandbox
+from .conftest import EnvdProcess, run_envd, sdk_sandbox
 
 
 def _headers(envd: EnvdProcess, stream: bool = True, **extra: str) -> dict[str, str]:
@@ -57,6 +60,10 @@ def _start(envd: EnvdProcess, script: str, cwd: str | None = None, **headers: st
     body: dict = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", script]}, "stdin": False}
     if cwd:
         body["process"]["cwd"] = cwd
+    return _start_raw(envd, body, **headers)
+
+
+def _start_raw(envd: EnvdProcess, body: dict, **headers: str) -> list[tuple[int, dict]]:
     with httpx.stream(
         "POST",
         envd.url + "/process.Process/Start",
@@ -271,3 +278,208 @@ def test_clock_helpers():
         parse_rfc3339_ns("2025-01-02T05:04:05+02:00")
         == int((ts - timedelta(microseconds=123456)).timestamp()) * 10**9
     )
+
+
+# -- bad input: JSON 4xx errors, never a 500 --------------------------------------------------------------
+
+
+def _assert_json_error(r: httpx.Response, status: int) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert body["code"] == status and body["message"]
+
+
+def _assert_invalid_argument(r: httpx.Response) -> None:
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "invalid_argument"
+
+
+def test_files_bad_input(envd_server, tmp_path):
+    url, auth = envd_server.url + "/files", {"X-Access-Token": envd_server.token}
+    for params in ({"path": "/" + "a" * 5000}, {"path": "/etc/\x00"}, {"path": str(tmp_path / ("b" * 300))}):
+        _assert_json_error(httpx.get(url, params=params, headers=auth), 400)
+    _assert_json_error(
+        httpx.get(url, params={"path": "/etc/hostname", "username": "root\x00"}, headers=auth), 401
+    )
+    r = httpx.get(url, params={"path": "/etc/hostname"}, headers={**auth, "Accept-Encoding": "gzip;q=abc"})
+    assert r.status_code == 200
+    target = {"path": str(tmp_path / "up.txt")}
+    raw = {**auth, "Content-Type": "application/octet-stream"}
+    for content, headers in (
+        (b"zzz", {**auth, "Content-Type": "multipart/form-data"}),
+        (b"zzz", {**auth, "Content-Type": "multipart/form-data; boundary=abc"}),
+        (b"not gzip", {**raw, "Content-Encoding": "gzip"}),
+        (b"x", {**raw, "X-Metadata-" + "k" * 300: "v"}),
+        (b"x", {**raw, "X-Metadata-k": "v" * 8000}),
+    ):
+        _assert_json_error(httpx.post(url, params=target, content=content, headers=headers), 400)
+    _assert_json_error(httpx.post(url, params={"path": "/a\x00"}, content=b"x", headers=raw), 400)
+    r = httpx.delete(envd_server.url + "/envs", headers=auth)
+    _assert_json_error(r, 405)
+    assert "GET" in r.headers["Allow"]
+    r = httpx.get(envd_server.url + "/envs", headers={"X-Access-Token": "t\xffk".encode("latin-1")})
+    _assert_json_error(r, 401)
+
+
+def test_rpc_bad_input(envd_server):
+    for method, body in (
+        ("process.Process/SendSignal", {"process": {"pid": "abc"}, "signal": "SIGNAL_SIGKILL"}),
+        ("process.Process/SendSignal", {"process": {"pid": -1}, "signal": "SIGNAL_SIGKILL"}),
+        ("process.Process/SendSignal", {"process": {"pid": 2**40}, "signal": "SIGNAL_SIGKILL"}),
+        ("process.Process/SendSignal", {"process": {}, "signal": "SIGNAL_SIGKILL"}),
+        ("process.Process/SendInput", {"process": {"pid": [1]}}),
+        ("process.Process/Update", {"process": "pid"}),
+        ("filesystem.Filesystem/ListDir", {"path": "/", "depth": "deep"}),
+        ("filesystem.Filesystem/ListDir", {"path": 5}),
+        ("filesystem.Filesystem/Stat", {"path": "/\x00"}),
+        ("filesystem.Filesystem/Move", {"source": "/tmp", "destination": "/" + "d" * 5000}),
+        ("filesystem.Filesystem/CreateWatcher", {"path": "/tmp", "recursive": "yes"}),
+        ("filesystem.Filesystem/GetWatcherEvents", {"watcherId": {}}),
+    ):
+        _assert_invalid_argument(_unary(envd_server, method, body))
+    for method, raw in (
+        ("filesystem.Filesystem/Stat", b"[" * 100_000),
+        ("filesystem.Filesystem/Stat", b'{"path": "\\ud800"}'),
+        ("process.Process/SendSignal", b'{"process": {"pid": 1e400}, "signal": 9}'),
+    ):
+        r = httpx.post(
+            f"{envd_server.url}/{method}", content=raw, headers=_headers(envd_server, stream=False)
+        )
+        _assert_invalid_argument(r)
+    r = httpx.post(
+        envd_server.url + "/process.Process/List",
+        content=b" " * (17 << 20),
+        headers=_headers(envd_server, stream=False),
+    )
+    assert r.status_code == 429 and r.json()["code"] == "resource_exhausted"
+
+
+def test_start_bad_input(envd_server):
+    for body in (
+        {"process": {"cmd": "/bin/true", "args": ["a\x00"]}},
+        {"process": {"cmd": "/bin/true", "args": "not a list"}},
+        {"process": {"cmd": "/bin/true", "envs": {"": "x"}}},
+        {"process": {"cmd": "/bin/true", "envs": {"A": 1}}},
+        {"process": {"cmd": 5}},
+        {"process": {"cmd": "/bin/true", "cwd": "/" + "c" * 5000}},
+        {"process": {"cmd": "/bin/true"}, "pty": {"size": {"rows": 70_000, "cols": 80}}},
+        {"process": {"cmd": "/bin/true"}, "stdin": "yes"},
+        {"process": {"cmd": "/bin/true", "args": ["x" * (1 << 20)]}},
+    ):
+        [(flags, msg)] = _start_raw(envd_server, body)
+        assert flags == 2 and msg["error"]["code"] == "invalid_argument", msg
+
+
+def test_signals_envd_does_not_send_are_refused(envd_server):
+    body = {"process": {"cmd": "/bin/sleep", "args": ["30"]}, "stdin": False}
+    with httpx.stream(
+        "POST",
+        envd_server.url + "/process.Process/Start",
+        content=_envelope(body),
+        headers=_headers(envd_server),
+    ) as r:
+        chunks = r.iter_raw()
+        pid = _first_message(chunks)["event"]["start"]["pid"]
+        for signal in ("SIGNAL_SIGINT", "SIGNAL_UNSPECIFIED", 2, True, {"x": 1}, None):
+            r2 = _unary(
+                envd_server, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": signal}
+            )
+            _assert_invalid_argument(r2)
+        r2 = _unary(envd_server, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": 9})
+        assert r2.status_code == 200
+
+
+def test_init_bad_input(envd_server):
+    auth = {"X-Access-Token": envd_server.token}
+    before = httpx.get(envd_server.url + "/envs", headers=auth).json()
+    for body in (
+        {"envVars": {"A": 1}},
+        {"envVars": ["A"]},
+        {"accessToken": 5},
+        {"defaultUser": "x\x00"},
+        {"defaultWorkdir": "/" + "w" * 5000},
+        {"timestamp": 5},
+    ):
+        _assert_json_error(httpx.post(envd_server.url + "/init", json=body, headers=auth), 400)
+    _assert_json_error(httpx.post(envd_server.url + "/init", content=b"[" * 100_000, headers=auth), 400)
+    assert httpx.get(envd_server.url + "/envs", headers=auth).json() == before
+
+
+def test_unusable_sandbox_variables_fail_commands_clearly(tmp_path):
+    """/init keeps what the node sends; a variable no process can get makes commands invalid_argument."""
+    with run_envd(tmp_path, token="t", env_vars={"A=B": "x"}) as envd:
+        [(flags, msg)] = _start_raw(envd, {"process": {"cmd": "/bin/true"}})
+        assert flags == 2 and msg["error"] == {
+            "code": "invalid_argument",
+            "message": "invalid environment variable name 'A=B'",
+        }
+
+
+def test_init_settings_survive_an_envd_restart(tmp_path):
+    store = tmp_path / "run" / "envd.json"
+    with run_envd(tmp_path / "first", token="the-token", env_vars={"K": "v"}, state_file=store):
+        pass
+    assert store.stat().st_mode & 0o777 == 0o600
+    with run_envd(tmp_path / "second", state_file=store) as envd:  # not initialised again
+        assert httpx.get(envd.url + "/envs").status_code == 401
+        assert httpx.get(envd.url + "/envs", headers={"X-Access-Token": "the-token"}).json() == {"K": "v"}
+
+
+def test_unread_stream_stops_the_writer(envd_server):
+    """A client that reads nothing leaves the output in the pipe: the writer blocks, envd stays small."""
+    peak_before = _peak_rss_kib(envd_server.proc.pid)
+    body = {"process": {"cmd": "/usr/bin/head", "args": ["-c", "256M", "/dev/zero"]}, "stdin": False}
+    with httpx.stream(
+        "POST",
+        envd_server.url + "/process.Process/Start",
+        content=_envelope(body),
+        headers=_headers(envd_server),
+    ) as r:
+        chunks = r.iter_raw()  # held: dropping it would close the stream
+        pid = _first_message(chunks)["event"]["start"]["pid"]
+        written: list[int] = []
+
+        def writer_blocked() -> bool:
+            written.append(_written_bytes(pid))
+            return len(written) >= 5 and len(set(written[-5:])) == 1
+
+        wait_for(writer_blocked, timeout=60, interval=0.2)
+        assert written[-1] < 16 << 20
+        assert _peak_rss_kib(envd_server.proc.pid) - peak_before < 64 << 10
+        _unary(
+            envd_server, "process.Process/SendSignal", {"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}
+        )
+
+
+def _written_bytes(pid: int) -> int:
+    io = Path(f"/proc/{pid}/io").read_text()
+    return int(next(line for line in io.splitlines() if line.startswith("wchar:")).split()[1])
+
+
+def _peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+
+
+def _first_message(chunks: Iterator[bytes]) -> dict:
+    """The first message of a stream, leaving the rest unread (and the stream open: keep `chunks`)."""
+    buf = b""
+    for chunk in chunks:
+        buf += chunk
+        if len(buf) >= 5 and len(buf) >= 5 + struct.unpack(">I", buf[1:5])[0]:
+            return json.loads(buf[5 : 5 + struct.unpack(">I", buf[1:5])[0]])
+    raise AssertionError("stream ended before its first message")
+
+
+def test_fifos_are_refused_not_waited_on(envd_server, tmp_path):
+    """Opening a FIFO blocks until its peer comes: envd must refuse it rather than lose a worker."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    url, auth = envd_server.url + "/files", {"X-Access-Token": envd_server.token}
+    raw = {**auth, "Content-Type": "application/octet-stream"}
+    for _ in range(10):  # more than envd's worker threads
+        _assert_json_error(httpx.get(url, params={"path": str(fifo)}, headers=auth), 400)
+        _assert_json_error(httpx.post(url, params={"path": str(fifo)}, content=b"x", headers=raw), 400)
+    r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": str(fifo)})
+    assert r.status_code == 200

@@ -339,3 +339,127 @@ def test_file_ownership_follows_user(sandbox):
 def test_unknown_user(sandbox):
     with pytest.raises(AuthenticationException):
         sandbox.commands.run("true", user="no-such-user-xyz")
+
+
+# -- bad input: a clear 4xx the SDK maps to its exception, never a 500 ------------------------------------
+
+
+def test_bad_command_input_is_invalid_argument(sandbox):
+    with pytest.raises(InvalidArgumentException, match="NUL"):
+        sandbox.commands.run("echo a\x00b")
+    with pytest.raises(InvalidArgumentException, match="variable name"):
+        sandbox.commands.run("true", envs={"A=B": "x"})
+    with pytest.raises(InvalidArgumentException, match="NUL"):
+        sandbox.commands.run("true", envs={"A": "x\x00y"})
+    with pytest.raises(InvalidArgumentException, match="NUL"):
+        sandbox.commands.run("true", cwd="/tmp\x00")
+    with pytest.raises(AuthenticationException, match="invalid username"):
+        sandbox.commands.run("true", user="root\x00")
+    assert sandbox.commands.run("echo still fine").stdout == "still fine\n"
+
+
+def test_bad_paths_are_invalid_argument(sandbox, workdir):
+    long_path = "/" + "a" * 5000
+    component = f"{workdir}/{'b' * 300}"
+    with pytest.raises(InvalidArgumentException, match="longer than"):
+        sandbox.files.read(long_path)
+    with pytest.raises(InvalidArgumentException, match="longer than"):
+        sandbox.files.write(long_path, "x")
+    with pytest.raises(InvalidArgumentException):
+        sandbox.files.write(component, "x")
+    with pytest.raises(InvalidArgumentException, match="NUL"):
+        sandbox.files.write(f"{workdir}/a\x00b", "x")
+    for call in (sandbox.files.get_info, sandbox.files.list, sandbox.files.make_dir, sandbox.files.remove):
+        with pytest.raises(InvalidArgumentException):
+            call(long_path)
+        with pytest.raises(InvalidArgumentException):
+            call(f"{workdir}/nul\x00")
+    sandbox.files.write(f"{workdir}/x", "x")
+    with pytest.raises(InvalidArgumentException):
+        sandbox.files.rename(f"{workdir}/x", component)
+    with pytest.raises(InvalidArgumentException):
+        sandbox.files.watch_dir(f"{workdir}\x00")
+    with pytest.raises(AuthenticationException):
+        sandbox.files.read("/etc/hostname", user="root\x00")
+    with pytest.raises(AuthenticationException):
+        sandbox.files.list("/", user="root\x00")
+
+
+# -- output: streamed with backpressure -----------------------------------------------------------------
+
+
+def test_large_output_is_streamed_whole(sandbox):
+    received = 0
+
+    def count(chunk: str) -> None:
+        nonlocal received
+        received += len(chunk)
+
+    r = sandbox.commands.run("yes | head -c 32M", retain_output=False, on_stdout=count, timeout=0)
+    assert r.exit_code == 0 and received == 32 << 20
+
+
+def test_unread_output_blocks_only_its_process(sandbox):
+    """A client that does not read a chatty command's stream leaves the output in the pipe."""
+    h = sandbox.commands.run("yes", background=True, timeout=0)
+    try:
+        assert sandbox.commands.run("echo alive").stdout == "alive\n"
+        assert h.pid in {p.pid for p in sandbox.commands.list()}
+    finally:
+        h.kill()
+
+
+def test_output_of_a_disconnected_command_is_dropped(sandbox, workdir):
+    """Without any reader envd drains and drops the output, so a background command runs to its end."""
+    h = sandbox.commands.run(f"head -c 16M /dev/zero; touch {workdir}/done", background=True, timeout=0)
+    h.disconnect()
+    assert _wait_until(lambda: sandbox.files.exists(f"{workdir}/done"), timeout=60)
+
+
+# -- uploads: metadata, ownership, watch events as E2B's envd ---------------------------------------------
+
+
+def test_write_without_metadata_clears_metadata(sandbox, workdir):
+    path = f"{workdir}/meta.txt"
+    assert sandbox.files.write(path, "1", metadata={"a": "1", "b": "2"}).metadata == {"a": "1", "b": "2"}
+    assert sandbox.files.write(path, "2", metadata={"a": "3"}).metadata == {"a": "3"}
+    assert sandbox.files.get_info(path).metadata == {"a": "3"}
+    info = sandbox.files.write(path, "3")
+    assert not info.metadata
+    assert not sandbox.files.get_info(path).metadata
+
+
+def test_upload_owner_and_mode(sandbox):
+    shared = sandbox.commands.run(
+        "d=$(mktemp -d /tmp/envd-up.XXXXXX) && chmod 777 $d && echo $d", user="root"
+    )
+    d = shared.stdout.strip()
+    try:
+        sandbox.files.write(f"{d}/new.txt", "n", user="nobody")
+        stat = sandbox.commands.run(f"stat -c '%U:%G %a' {d}/new.txt", user="root").stdout.strip()
+        group = sandbox.commands.run("id -gn nobody", user="root").stdout.strip()
+        assert stat == f"nobody:{group} 644"
+        # Overwriting a file keeps its mode and, as in E2B's envd, gives it to the writer.
+        sandbox.commands.run(f"echo old > {d}/shared.txt && chmod 666 {d}/shared.txt", user="root")
+        sandbox.files.write(f"{d}/shared.txt", "new", user="nobody")
+        stat = sandbox.commands.run(f"stat -c '%U:%G %a' {d}/shared.txt", user="root").stdout.strip()
+        assert stat == f"nobody:{group} 666"
+        assert sandbox.files.read(f"{d}/shared.txt") == "new"
+    finally:
+        sandbox.files.remove(d, user="root")
+
+
+def test_upload_watch_events(sandbox, workdir):
+    handle = sandbox.files.watch_dir(workdir)
+    try:
+        sandbox.files.write(f"{workdir}/up.txt", "data")
+        events: list = []
+        assert _wait_until(
+            lambda: (
+                events.extend(handle.get_new_events())
+                or {FilesystemEventType.CREATE, FilesystemEventType.WRITE, FilesystemEventType.CHMOD}
+                <= {e.type for e in events if e.name == "up.txt"}
+            )
+        )
+    finally:
+        handle.stop()

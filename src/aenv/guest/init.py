@@ -23,7 +23,11 @@ GATEWAY = "169.254.0.22"
 DEFAULT_HOSTNAME = "aenv"
 DEFAULT_DNS = "8.8.8.8"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER = 0.2, 10.0, 30.0
+# envd restarts at once after a first crash, then backs off to at most 2 s while it keeps failing.
+BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER = 0.2, 2.0, 30.0
+ENVD_STATE = "/run/aenv/envd.json"
+# envd is the sandbox's only way in: the guest's OOM killer must pick anything else first.
+ENVD_OOM_SCORE_ADJ = -1000
 TERM_GRACE = 2.0
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_RDONLY, MS_REMOUNT = 0x2, 0x4, 0x8, 0x1, 0x20
@@ -206,14 +210,25 @@ class Envd:
 
     def start(self) -> None:
         self.restart_at = None
+        argv = [
+            "/usr/bin/python3",
+            "-m",
+            "aenv_envd",
+            "--port",
+            str(ENVD_PORT),
+            "--host-peer",
+            GATEWAY,
+            "--state-file",
+            ENVD_STATE,
+        ]
         try:
-            argv = ["/usr/bin/python3", "-m", "aenv_envd", "--port", str(ENVD_PORT), "--host-peer", GATEWAY]
             self.pid = spawn(argv, envd_env())
         except OSError as e:
             log(f"cannot start envd: {e}")
             self.exited(None)
             return
         self.started = time.monotonic()
+        protect_from_oom(self.pid)
         log(f"envd started (pid {self.pid}, port {ENVD_PORT})")
 
     def exited(self, status: int | None) -> None:
@@ -229,6 +244,15 @@ class Envd:
 
     def timeout(self) -> float | None:
         return None if self.restart_at is None else max(0.0, self.restart_at - time.monotonic())
+
+
+def protect_from_oom(pid: int) -> None:
+    """Exempt envd from the OOM killer (its children raise their own score again, see envd)."""
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(str(ENVD_OOM_SCORE_ADJ))
+    except OSError as e:
+        log(f"warning: cannot protect envd from the OOM killer: {e}")
 
 
 def reap(envd: Envd) -> None:

@@ -35,6 +35,7 @@ PACKAGES = (
     "python3",
     "python3-pip",
     "python3-venv",
+    "python-is-python3",
     "util-linux",
     "less",
     "netbase",

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from . import DEFAULT_PORT, ENVD_VERSION
 from .server import serve
@@ -25,6 +26,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="address of the node (tap gateway); its /init may replace the access token",
     )
+    parser.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="where to keep what /init set, so that a restarted envd takes it over (root-only)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -33,8 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s envd %(levelname)s %(name)s: %(message)s",
     )
     state = State(
-        default_user=args.default_user, default_workdir=args.default_workdir, host_peer=args.host_peer
+        default_user=args.default_user,
+        default_workdir=args.default_workdir,
+        host_peer=args.host_peer,
+        store=args.state_file,
     )
+    state.restore()
 
     async def run() -> None:
         task = asyncio.current_task()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -39,6 +40,7 @@ HTTP_STATUS = {
 }
 
 Message = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 class ConnectError(Exception):
@@ -59,11 +61,17 @@ def os_error(err: OSError, what: str) -> ConnectError:
         errno.ENOENT: "not_found",
         errno.EACCES: "permission_denied",
         errno.EPERM: "permission_denied",
+        errno.EROFS: "permission_denied",
         errno.ENOTDIR: "invalid_argument",
         errno.EISDIR: "invalid_argument",
+        errno.ENAMETOOLONG: "invalid_argument",
+        errno.EINVAL: "invalid_argument",
         errno.EEXIST: "already_exists",
+        errno.ENOTEMPTY: "already_exists",
         errno.ELOOP: "failed_precondition",
+        errno.EXDEV: "failed_precondition",
         errno.ENOSPC: "resource_exhausted",
+        errno.EDQUOT: "resource_exhausted",
     }.get(err.errno or 0, "internal")
     return ConnectError(code, f"{what}: {err.strerror or err}")
 
@@ -143,9 +151,17 @@ async def read_envelope(request: web.Request) -> Message | None:
     return _decode(payload)
 
 
+def loads(raw: bytes | str) -> Any:
+    """Parse JSON; any malformed document, also one nested too deeply to parse, is a ValueError."""
+    try:
+        return json.loads(raw or b"{}")
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _decode(payload: bytes) -> Message:
     try:
-        msg = json.loads(payload or b"{}")
+        msg = loads(payload)
     except ValueError as e:
         raise ConnectError("invalid_argument", f"cannot decode request: {e}") from None
     if not isinstance(msg, dict):
@@ -162,6 +178,21 @@ def _media_type(request: web.Request) -> str:
     return request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
 
 
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ConnectError("resource_exhausted", f"request larger than {MAX_MESSAGE_BYTES} bytes") from None
+
+
+def _as_connect_error(request: web.Request, error: Exception) -> ConnectError:
+    """The Connect error to answer: its own for a ConnectError, `internal` (logged) for a bug."""
+    if isinstance(error, ConnectError):
+        return error
+    log.error("%s failed", request.path, exc_info=error)
+    return ConnectError("internal", f"internal error: {type(error).__name__}")
+
+
 def unary(fn: UnaryHandler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """Wrap a unary method: JSON request body in, JSON response or Connect error JSON out."""
 
@@ -169,10 +200,11 @@ def unary(fn: UnaryHandler) -> Callable[[web.Request], Awaitable[web.StreamRespo
         if _media_type(request) != JSON_CT:
             return _codec_error(request.headers.get("Content-Type", ""), JSON_CT)
         try:
-            msg = _decode(await request.read())
+            msg = _decode(await _read_body(request))
             result = await fn(request, msg)
-        except ConnectError as e:
-            return web.json_response(e.to_json(), status=HTTP_STATUS.get(e.code, 500))
+        except Exception as e:
+            error = _as_connect_error(request, e)
+            return web.json_response(error.to_json(), status=HTTP_STATUS.get(error.code, 500))
         return web.json_response(result)
 
     return handler
@@ -201,10 +233,10 @@ def server_stream(fn: StreamHandler) -> Callable[[web.Request], Awaitable[web.St
                 if resp is None:
                     resp = await _start_stream(request)
                 await resp.write(encode_message(out))
-        except ConnectError as e:
-            error = e
         except ConnectionError:
             return resp or web.Response(status=499)
+        except Exception as e:
+            error = _as_connect_error(request, e)
         finally:
             if gen is not None:
                 await gen.aclose()
@@ -236,8 +268,8 @@ def client_stream(fn: ClientStreamHandler) -> Callable[[web.Request], Awaitable[
         try:
             result: Message | None = await fn(request, messages(request))
             error = None
-        except ConnectError as e:
-            result, error = None, e
+        except Exception as e:
+            result, error = None, _as_connect_error(request, e)
         resp = await _start_stream(request)
         if result is not None:
             await resp.write(encode_message(result))

@@ -72,13 +72,13 @@ def read_metadata(path: str) -> dict[str, str]:
     return out
 
 
-def write_metadata(path: str, metadata: dict[str, str]) -> None:
-    """Replace all `user.e2b.*` xattrs of a file with `metadata`."""
-    for name in os.listxattr(path):
+def write_metadata(target: str | int, metadata: dict[str, str]) -> None:
+    """Replace all `user.e2b.*` xattrs of a file (a path or an open descriptor) with `metadata`."""
+    for name in os.listxattr(target):
         if name.startswith(XATTR_PREFIX):
-            os.removexattr(path, name)
+            os.removexattr(target, name)
     for key, value in metadata.items():
-        os.setxattr(path, XATTR_PREFIX + key, value.encode())
+        os.setxattr(target, XATTR_PREFIX + key, value.encode())
 
 
 def file_type(mode: int) -> str:

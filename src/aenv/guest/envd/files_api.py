@@ -6,7 +6,7 @@ import asyncio
 import base64
 import errno
 import hashlib
-import hmac
+import logging
 import os
 import re
 import stat
@@ -15,15 +15,19 @@ import zlib
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .connect import ConnectError
-from .entry import write_metadata
+from .entry import XATTR_PREFIX, read_metadata, write_metadata
 from .httperr import UNAUTHORIZED, json_error
-from .state import State
+from .state import State, same_secret
 from .users import User, default_user, lookup_user, resolve_path, run_as
 
 CHUNK = 256 * 1024
+XATTR_NAME_MAX = 255
+DISK_FULL_MARGIN = 1 << 20
 METADATA_PREFIX = "x-metadata-"
+log = logging.getLogger(__name__)
 _DISPOSITION_PARAM = re.compile(r';\s*([^=;\s]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')
 
 
@@ -39,12 +43,14 @@ class HTTPFailure(Exception):
 def _os_failure(err: OSError, path: str) -> HTTPFailure:
     if err.errno == errno.ENOENT:
         return HTTPFailure(404, f"path '{path}' does not exist")
-    if err.errno in (errno.EACCES, errno.EPERM):
-        return HTTPFailure(403, f"permission denied for path '{path}'")
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return HTTPFailure(403, f"permission denied for path '{path}': {err.strerror}")
     if err.errno == errno.EISDIR:
         return HTTPFailure(400, f"path '{path}' is a directory")
     if err.errno == errno.ENOTDIR:
         return HTTPFailure(400, f"path '{path}' has a non-directory parent")
+    if err.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL, errno.ENXIO):
+        return HTTPFailure(400, f"invalid path '{path}': {err.strerror}")
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return HTTPFailure(507, "not enough disk space available")
     return HTTPFailure(500, f"error accessing '{path}': {err.strerror or err}")
@@ -71,7 +77,7 @@ class FilesAPI:
             return
         header = request.headers.get("X-Access-Token")
         if header is not None:
-            if hmac.compare_digest(header.encode(), token.encode()):
+            if same_secret(header, token):
                 return
             raise HTTPFailure(401, UNAUTHORIZED)
         query = request.query
@@ -82,7 +88,7 @@ class FilesAPI:
         raw = f"{query.get('path', '')}:{operation}:{query.get('username', '')}:{token}"
         if expiration:
             raw += f":{expiration}"
-        if not hmac.compare_digest(signature.encode(), _sign(raw).encode()):
+        if not same_secret(signature, _sign(raw)):
             raise HTTPFailure(401, "invalid signature")
         if expiration:
             try:
@@ -119,12 +125,8 @@ class FilesAPI:
             path = self._path(raw, user)
 
             def open_file() -> tuple[int, int]:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                st = os.fstat(fd)
-                if stat.S_ISDIR(st.st_mode):
-                    os.close(fd)
-                    raise IsADirectoryError(errno.EISDIR, "is a directory")
-                return fd, st.st_size
+                fd = _open_data(path, os.O_RDONLY)
+                return fd, os.fstat(fd).st_size
 
             try:
                 fd, size = await asyncio.to_thread(run_as, user, open_file)
@@ -184,41 +186,49 @@ class FilesAPI:
             self._authorize(request, "write")
             user = self._user(request)
             metadata = _metadata_headers(request)
-            query_path = request.query.get("path", "")
-            ctype = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
-            written: list[dict[str, Any]] = []
-            if ctype == "multipart/form-data":
-                reader = await request.multipart()
-                seen: set[str] = set()
-                while True:
-                    part = await reader.next()
-                    if part is None:
-                        break
-                    if getattr(part, "name", None) != "file":
-                        continue
-                    raw = query_path or part_filename(part.headers.get("Content-Disposition", ""))
-                    if not raw:
-                        raise HTTPFailure(400, "missing file path (filename or path query parameter)")
-                    path = self._path(raw, user)
-                    if path in seen:
-                        raise HTTPFailure(400, f"cannot upload multiple files to the same path '{path}'")
-                    seen.add(path)
-                    written.append(await self._store(user, path, part.read_chunk, metadata))  # type: ignore[union-attr]
-            else:
-                if not query_path:
-                    raise HTTPFailure(400, "path query parameter is required for octet-stream uploads")
-                path = self._path(query_path, user)
-                written.append(await self._store(user, path, request.content.read, metadata))
+            try:
+                written = await self._receive(request, user, metadata)
+            except (ValueError, HttpProcessingError, web.RequestPayloadError) as e:
+                raise HTTPFailure(400, f"invalid request body: {e}") from None
             if not written:
                 raise HTTPFailure(400, "no file was uploaded (expected a multipart field named 'file')")
         except HTTPFailure as f:
             return json_error(f.status, f.message)
         return web.json_response(written)
 
-    async def _store(
-        self, user: User, path: str, read: Any, metadata: dict[str, str] | None
-    ) -> dict[str, Any]:
-        """Create parents and the file as the user, stream the body into it, then apply metadata."""
+    async def _receive(
+        self, request: web.Request, user: User, metadata: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """Store every file of a multipart body, or the one raw body, in order."""
+        query_path = request.query.get("path", "")
+        ctype = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if ctype != "multipart/form-data":
+            if not query_path:
+                raise HTTPFailure(400, "path query parameter is required for octet-stream uploads")
+            return [await self._store(user, self._path(query_path, user), request.content.read, metadata)]
+        written: list[dict[str, Any]] = []
+        reader = await request.multipart()
+        seen: set[str] = set()
+        while (part := await reader.next()) is not None:
+            if getattr(part, "name", None) != "file":
+                continue
+            raw = query_path or part_filename(part.headers.get("Content-Disposition", ""))
+            if not raw:
+                raise HTTPFailure(400, "missing file path (filename or path query parameter)")
+            path = self._path(raw, user)
+            if path in seen:
+                raise HTTPFailure(400, f"cannot upload multiple files to the same path '{path}'")
+            seen.add(path)
+            written.append(await self._store(user, path, part.read_chunk, metadata))  # type: ignore[union-attr]
+        return written
+
+    async def _store(self, user: User, path: str, read: Any, metadata: dict[str, str]) -> dict[str, Any]:
+        """Write one file the way E2B's envd does, with the user's permissions.
+
+        Parents are created and the file opened as the user; the file is then given to the user and
+        their group (the chown E2B's envd does, which watchers report as CHMOD after the CREATE), the
+        body streamed in (WRITE), and the file's metadata replaced by the request's: a write without
+        metadata clears what an earlier write left. The answer reports the metadata as stored."""
 
         def open_target() -> int:
             parent = os.path.dirname(path)
@@ -226,34 +236,69 @@ class FilesAPI:
                 os.makedirs(parent, exist_ok=True)
             except FileExistsError:
                 raise NotADirectoryError(errno.ENOTDIR, "not a directory") from None
-            if os.path.isdir(path):
-                raise IsADirectoryError(errno.EISDIR, "is a directory")
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            return _open_data(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
         try:
             fd = await asyncio.to_thread(run_as, user, open_target)
         except OSError as e:
             raise _os_failure(e, path) from None
         try:
-            while True:
-                chunk = await read(CHUNK)
-                if not chunk:
-                    break
+            if os.geteuid() == 0:
+                os.fchown(fd, user.uid, user.gid)
+            while chunk := await read(CHUNK):
                 view = memoryview(chunk)
                 while view:
                     view = view[os.write(fd, view) :]
+            _store_metadata(fd, path, metadata)
         except OSError as e:
             raise _os_failure(e, path) from None
         finally:
             os.close(fd)
         info: dict[str, Any] = {"path": path, "name": os.path.basename(path), "type": "file"}
-        if metadata is not None:
-            try:
-                write_metadata(path, metadata)
-            except OSError as e:
-                raise HTTPFailure(500, f"cannot store metadata on '{path}': {e.strerror or e}") from None
-            info["metadata"] = metadata
+        if stored := read_metadata(path):
+            info["metadata"] = stored
         return info
+
+
+def _open_data(path: str, flags: int) -> int:
+    """Open a file whose bytes are to be read or written whole; never block on a FIFO.
+
+    Opening a FIFO that has no peer blocks, and would hold one of envd's few worker threads for
+    good, so the open is non-blocking and FIFOs, sockets and directories are refused."""
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        raise OSError(errno.EINVAL, "not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _store_metadata(fd: int, path: str, metadata: dict[str, str]) -> None:
+    """Replace the metadata of the open file; where xattrs are unsupported it has none to keep."""
+    try:
+        write_metadata(fd, metadata)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            if metadata:
+                log.warning("metadata of %s not stored: the filesystem has no user xattrs", path)
+            return
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and _disk_full(path):
+            raise HTTPFailure(507, "not enough space for file metadata") from None
+        if e.errno in (errno.ENOSPC, errno.E2BIG, errno.ERANGE):
+            raise HTTPFailure(400, "metadata too large to store with the file") from None
+        raise _os_failure(e, path) from None
+
+
+def _disk_full(path: str) -> bool:
+    """Whether an ENOSPC means the filesystem is full, not that the file's xattr space is."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return True
+    return st.f_bavail * st.f_frsize < DISK_FULL_MARGIN
 
 
 def part_filename(disposition: str) -> str:
@@ -276,12 +321,17 @@ def _accepts_gzip(request: web.Request) -> bool:
         token, _, params = item.strip().partition(";")
         if token.strip().lower() in ("gzip", "*"):
             q = params.strip()
-            return not (q.startswith("q=") and float(q[2:] or 0) == 0)
+            if not q.startswith("q="):
+                return True
+            try:
+                return float(q[2:] or 0) > 0
+            except ValueError:  # a malformed weight: RFC 9110 says ignore it
+                return True
     return False
 
 
-def _metadata_headers(request: web.Request) -> dict[str, str] | None:
-    """`X-Metadata-<key>` headers (key lower-cased, printable ASCII only); None when there are none."""
+def _metadata_headers(request: web.Request) -> dict[str, str]:
+    """`X-Metadata-<key>` headers (key lower-cased, printable ASCII only; a key must fit an xattr name)."""
     out: dict[str, str] = {}
     for name, value in request.headers.items():
         lower = name.lower()
@@ -289,6 +339,10 @@ def _metadata_headers(request: web.Request) -> dict[str, str] | None:
             continue
         key = lower[len(METADATA_PREFIX) :]
         if not key or not all(32 < ord(c) < 127 for c in key) or not all(31 < ord(c) < 127 for c in value):
-            raise HTTPFailure(400, f"invalid metadata header '{name}'")
+            raise HTTPFailure(400, f"invalid metadata header '{name[:128]}'")
+        if len(XATTR_PREFIX) + len(key) > XATTR_NAME_MAX:
+            raise HTTPFailure(
+                400, f"metadata key longer than {XATTR_NAME_MAX - len(XATTR_PREFIX)} characters"
+            )
         out[key] = value
-    return out or None
+    return out

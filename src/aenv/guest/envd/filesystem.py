@@ -15,7 +15,6 @@ from aiohttp import web
 from .connect import (
     ConnectError,
     Message,
-    field,
     keepalive_seconds,
     os_error,
     server_stream,
@@ -23,6 +22,7 @@ from .connect import (
     unary,
 )
 from .entry import entry_info
+from .inputs import flag, text, uint32
 from .state import State
 from .users import User, request_user, resolve_path, run_as
 from .watcher import Watcher
@@ -152,7 +152,7 @@ class FilesystemService:
 
     def _user_path(self, request: web.Request, req: Message, name: str = "path") -> tuple[User, str]:
         user = request_user(request, self.state)
-        return user, resolve_path(str(field(req, name) or ""), user, self.state.default_workdir)
+        return user, resolve_path(text(req, name), user, self.state.default_workdir)
 
     async def _as(self, user: User, what: str, fn: Callable[[], T]) -> T:
         try:
@@ -170,14 +170,14 @@ class FilesystemService:
 
     async def move(self, request: web.Request, req: Message) -> Message:
         user = request_user(request, self.state)
-        src = resolve_path(str(field(req, "source") or ""), user, self.state.default_workdir)
-        dst = resolve_path(str(field(req, "destination") or ""), user, self.state.default_workdir)
+        src = resolve_path(text(req, "source"), user, self.state.default_workdir)
+        dst = resolve_path(text(req, "destination"), user, self.state.default_workdir)
         entry = await self._as(user, f"cannot move '{src}' to '{dst}'", lambda: _move(src, dst))
         return {"entry": entry}
 
     async def list_dir(self, request: web.Request, req: Message) -> Message:
         user, path = self._user_path(request, req)
-        depth = int(field(req, "depth", default=0) or 1)
+        depth = uint32(req, "depth") or 1
         return {"entries": await self._as(user, f"cannot list '{path}'", lambda: _list(path, depth))}
 
     async def remove(self, request: web.Request, req: Message) -> Message:
@@ -191,13 +191,12 @@ class FilesystemService:
         def check() -> None:
             if not stat.S_ISDIR(os.stat(path).st_mode):
                 raise ConnectError("invalid_argument", f"path '{path}' is not a directory")
-            if not field(req, "allowNetworkMounts", "allow_network_mounts") and _is_network_mount(path):
+            if not flag(req, "allowNetworkMounts", "allow_network_mounts") and _is_network_mount(path):
                 raise ConnectError("invalid_argument", f"path '{path}' is on a network mount")
 
         await self._as(user, f"cannot watch '{path}'", check)
-        watcher = Watcher(
-            path, bool(field(req, "recursive")), bool(field(req, "includeEntry", "include_entry")), emit
-        )
+        recursive, include_entry = flag(req, "recursive"), flag(req, "includeEntry", "include_entry")
+        watcher = Watcher(path, bool(recursive), bool(include_entry), emit)
         try:
             watcher.start()
         except OSError as e:
@@ -233,7 +232,7 @@ class FilesystemService:
         return {"watcherId": watcher_id}
 
     def _watcher(self, req: Message) -> tuple[str, _BufferedWatcher]:
-        watcher_id = str(field(req, "watcherId", "watcher_id") or "")
+        watcher_id = text(req, "watcherId", "watcher_id")
         buffered = self.watchers.get(watcher_id)
         if buffered is None:
             raise ConnectError("not_found", f"watcher '{watcher_id}' not found")

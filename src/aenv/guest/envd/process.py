@@ -12,7 +12,7 @@ import signal
 import struct
 import subprocess
 import termios
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +27,18 @@ from .connect import (
     timeout_seconds,
     unary,
 )
+from .inputs import (
+    c_string,
+    environment,
+    flag,
+    invalid,
+    obj,
+    optional_text,
+    string_map,
+    strings,
+    text,
+    uint32,
+)
 from .state import State
 from .users import User, request_user, resolve_path
 
@@ -34,9 +46,18 @@ log = logging.getLogger(__name__)
 
 STD_CHUNK = 32 * 1024
 PTY_CHUNK = 16 * 1024
+# Output chunks a stream subscriber may have queued before the process's output stops being read:
+# the bound on what envd holds per stream (the rest waits in the pipe, then blocks the writer).
+QUEUE_DEPTH = 8
+# Output still read after the process exited (a background child may keep the pipe open and busy).
 DRAIN_LIMIT = 4 * 1024 * 1024
 RETAIN_ENDED = 64
+# What E2B's envd gives the processes it starts, so the guest's OOM killer picks them before
+# envd (which init runs at -1000).
+CHILD_OOM_SCORE_ADJ = 100
+MAX_WINSIZE = 0xFFFF
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# proto `Signal` values envd acts on, by enum name and number.
 SIGNALS = {
     "SIGNAL_SIGKILL": signal.SIGKILL,
     "SIGNAL_SIGTERM": signal.SIGTERM,
@@ -52,24 +73,71 @@ def _b64(data: bytes) -> str:
 def _unb64(value: Any) -> bytes:
     if not value:
         return b""
-    text = str(value)
+    raw = str(value)
     try:
         return base64.b64decode(
-            text + "=" * (-len(text) % 4), altchars=b"-_" if "-" in text or "_" in text else None
+            raw + "=" * (-len(raw) % 4), altchars=b"-_" if "-" in raw or "_" in raw else None
         )
     except ValueError:
         raise ConnectError("invalid_argument", "input is not valid base64") from None
 
 
-def _set_winsize(fd: int, size: Message | None) -> None:
-    rows = int(field(size, "rows", default=0) or 24)
-    cols = int(field(size, "cols", default=0) or 80)
+def _winsize(size: Message | None) -> tuple[int, int]:
+    rows = uint32(size, "rows") or 24
+    cols = uint32(size, "cols") or 80
+    if rows > MAX_WINSIZE or cols > MAX_WINSIZE:
+        raise invalid(f"pty size must be at most {MAX_WINSIZE} rows and columns")
+    return rows, cols
+
+
+def _set_winsize(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
-def _acquire_ctty() -> None:
-    """Child-side: make the PTY slave (already on fd 0) the controlling terminal of the new session."""
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+def _child_setup(user: User | None, ctty: bool) -> Callable[[], None]:
+    """What the forked child does before exec: rank itself above envd for the OOM killer while it is
+    still root (once it runs as the user, its /proc entry is no longer its to write), then drop to the
+    user and, for a PTY, take the terminal (already on fd 0) as its controlling terminal."""
+    groups = user.groups if user is not None else []  # NSS lookups stay in the parent
+
+    def setup() -> None:
+        try:
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            try:
+                os.write(fd, str(CHILD_OOM_SCORE_ADJ).encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+        if user is not None:
+            os.setgroups(groups)
+            os.setregid(user.gid, user.gid)
+            os.setreuid(user.uid, user.uid)
+        if ctty:
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    return setup
+
+
+async def _fd_ready(fd: int, *, write: bool = False, unless: asyncio.Event | None = None) -> None:
+    """Wait until `fd` is readable (or writable), or until `unless` is set."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(fd, wake)
+    waiters: set[asyncio.Future[Any]] = {ready}
+    if unless is not None:
+        waiters.add(asyncio.ensure_future(unless.wait()))
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+        for waiter in waiters:
+            waiter.cancel()
 
 
 def _status(returncode: int) -> tuple[Message, str | None]:
@@ -87,7 +155,13 @@ def _status(returncode: int) -> tuple[Message, str | None]:
 
 
 class Proc:
-    """One spawned process: owns its pipes/PTY, fans output out to every connected stream."""
+    """One spawned process: owns its pipes/PTY and fans its output out to every connected stream.
+
+    Output flows with backpressure: a chunk is read from the pipe only when every subscriber has
+    room for it (fewer than QUEUE_DEPTH queued), and subscribers only take chunks as fast as their
+    HTTP response is sent. A slow or stalled client therefore leaves the output in the pipe (and
+    blocks the writer, as a full pipe does), never in envd's memory. Without any subscriber the
+    output is read and dropped, as E2B's envd does, so a background command never blocks."""
 
     def __init__(
         self,
@@ -106,16 +180,32 @@ class Proc:
         self.stdin_fd = stdin_fd
         self.outputs = outputs
         self.subscribers: set[asyncio.Queue[Message]] = set()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.exited = asyncio.Event()
         self.end: Message | None = None
         self.write_lock = asyncio.Lock()
         self.timer: asyncio.TimerHandle | None = None
-        self.waiter: asyncio.Task[None] | None = None
         self.timed_out = False
 
     def subscribe(self) -> asyncio.Queue[Message]:
         q: asyncio.Queue[Message] = asyncio.Queue()
         self.subscribers.add(q)
         return q
+
+    def unsubscribe(self, q: asyncio.Queue[Message]) -> None:
+        self.subscribers.discard(q)
+        self.taken()
+
+    def taken(self) -> None:
+        """A subscriber consumed a message (or left): output may flow again once all have room."""
+        if all(q.qsize() < QUEUE_DEPTH for q in self.subscribers):
+            self.room.set()
+
+    async def wait_room(self) -> None:
+        while not all(q.qsize() < QUEUE_DEPTH for q in self.subscribers):
+            self.room.clear()
+            await self.room.wait()
 
     def publish(self, event: Message) -> None:
         msg = {"event": event}
@@ -134,23 +224,56 @@ class Proc:
         fd = self.pty_master if self.pty_master is not None else self.stdin_fd
         if fd is None:
             raise ConnectError("failed_precondition", f"stdin of process {self.pid} is not open")
-        loop = asyncio.get_running_loop()
         async with self.write_lock:
             view = memoryview(data)
             while view:
                 try:
                     written = os.write(fd, view)
                 except BlockingIOError:
-                    ready = loop.create_future()
-                    loop.add_writer(fd, ready.set_result, None)
-                    try:
-                        await ready
-                    finally:
-                        loop.remove_writer(fd)
+                    await _fd_ready(fd, write=True)
                     continue
                 except OSError as e:
                     raise ConnectError("internal", f"error writing to process {self.pid}: {e}") from None
                 view = view[written:]
+
+    async def pump(self, fd: int, kind: str) -> None:
+        """Forward one output stream until EOF, or until the exited process's leftovers are drained."""
+        size = PTY_CHUNK if kind == "pty" else STD_CHUNK
+        drained = 0
+        try:
+            while drained <= DRAIN_LIMIT:
+                await self.wait_room()
+                try:
+                    data = os.read(fd, size)
+                except BlockingIOError:
+                    if self.exited.is_set():
+                        return
+                    await _fd_ready(fd, unless=self.exited)
+                    continue
+                except OSError:  # EIO on a PTY master once the slave side is gone
+                    return
+                if not data:
+                    return
+                if self.exited.is_set():
+                    drained += len(data)
+                self.publish({"data": {kind: _b64(data)}})
+                await asyncio.sleep(0)  # a producer faster than envd must not starve the loop
+        finally:
+            if fd == self.pty_master:  # input must never go to whatever reuses the number
+                self.pty_master = None
+            os.close(fd)
+
+    async def wait_exit(self) -> int:
+        """The exit status, awaited through a pidfd (a thread where the kernel has none)."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            return await asyncio.to_thread(self.popen.wait)
+        try:
+            await _fd_ready(pidfd)
+            return self.popen.wait()
+        finally:
+            os.close(pidfd)
 
     def close_stdin(self) -> None:
         if self.pty_master is not None:
@@ -173,6 +296,7 @@ class ProcessService:
         self.state = state
         self.running: dict[int, Proc] = {}
         self.ended: dict[int, Proc] = {}
+        self._supervisors: set[asyncio.Task[None]] = set()
 
     def routes(self) -> list[web.RouteDef]:
         base = "/process.Process/"
@@ -190,15 +314,17 @@ class ProcessService:
     # -- lookup -------------------------------------------------------------------------------------
 
     def _select(self, selector: Message | None, include_ended: bool = False) -> Proc:
-        pid = field(selector, "pid")
-        tag = field(selector, "tag")
+        pid = uint32(selector, "pid") if field(selector, "pid") is not None else None
+        tag = optional_text(selector, "tag")
+        if pid is None and tag is None:
+            raise invalid("process selector needs a pid or a tag")
         pools = [self.running, self.ended] if include_ended else [self.running]
         for pool in pools:
             if pid is not None:
-                proc = pool.get(int(pid))
+                proc = pool.get(pid)
                 if proc is not None:
                     return proc
-            elif tag is not None:
+            else:
                 for proc in pool.values():
                     if proc.tag == tag:
                         return proc
@@ -230,32 +356,31 @@ class ProcessService:
         return cwd
 
     def spawn(self, req: Message, user: User) -> Proc:
-        config = field(req, "process") or {}
-        cmd = field(config, "cmd") or ""
+        config = obj(req, "process") or {}
+        cmd = c_string(text(config, "cmd"), "process.cmd")
         if not cmd:
-            raise ConnectError("invalid_argument", "process.cmd is required")
-        args = [str(a) for a in field(config, "args") or []]
-        envs = {str(k): str(v) for k, v in (field(config, "envs") or {}).items()}
-        cwd = self._cwd(field(config, "cwd"), user)
-        pty = field(req, "pty")
-        want_stdin = field(req, "stdin")
-        tag = field(req, "tag")
+            raise invalid("process.cmd is required")
+        args = strings(config, "args", "process.args")
+        envs = string_map(field(config, "envs"), "process.envs")
+        cwd = self._cwd(optional_text(config, "cwd"), user)
+        pty = obj(req, "pty")
+        winsize = _winsize(obj(pty, "size")) if pty is not None else None
+        want_stdin = flag(req, "stdin")
+        tag = optional_text(req, "tag")
+        env = environment(self._environment(user, envs))
 
-        kwargs: dict[str, Any] = {}
-        if os.geteuid() == 0:
-            kwargs.update(user=user.uid, group=user.gid, extra_groups=user.groups)
+        as_root = os.geteuid() == 0
         to_close: list[int] = []
         outputs: dict[int, str] = {}
         stdin_fd = master = None
         try:
-            if pty is not None:
+            if winsize is not None:
                 master, slave = os.openpty()
                 to_close.append(slave)
-                _set_winsize(master, field(pty, "size"))
-                if os.geteuid() == 0:
+                _set_winsize(master, *winsize)
+                if as_root:
                     os.fchown(slave, user.uid, -1)
                 stdio: dict[str, Any] = {"stdin": slave, "stdout": slave, "stderr": slave}
-                kwargs["preexec_fn"] = _acquire_ctty
                 outputs[master] = "pty"
             else:
                 out_r, out_w = os.pipe()
@@ -270,40 +395,35 @@ class ProcessService:
                     stdio["stdin"] = in_r
             popen = subprocess.Popen(
                 [cmd, *args],
-                env=self._environment(user, envs),
+                env=env,
                 cwd=cwd,
                 start_new_session=True,
+                preexec_fn=_child_setup(user if as_root else None, winsize is not None),
                 **stdio,
-                **kwargs,
             )
-        except (OSError, subprocess.SubprocessError) as e:
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
             for fd in [*outputs, *([stdin_fd] if stdin_fd is not None else [])]:
                 os.close(fd)
-            raise ConnectError("invalid_argument", f"failed to start process: {e}") from None
+            raise invalid(f"failed to start process: {e}") from None
         finally:
             for fd in to_close:
                 os.close(fd)
         if stdin_fd is not None:
             os.set_blocking(stdin_fd, False)
+        for fd in outputs:
+            os.set_blocking(fd, False)
         cfg: Message = {"cmd": cmd, "args": args, "envs": envs, "cwd": cwd}
         proc = Proc(popen, cfg, tag, master, stdin_fd, outputs)
         self.running[proc.pid] = proc
         return proc
 
     def _watch(self, proc: Proc, lifetime: float | None) -> None:
-        """Start forwarding output and reaping; must run in the same loop tick as the first subscribe."""
-        loop = asyncio.get_running_loop()
-        for fd, kind in proc.outputs.items():
-            os.set_blocking(fd, False)
-            loop.add_reader(fd, self._on_output, proc, fd, kind)
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except OSError:
-            proc.waiter = loop.create_task(self._wait_thread(proc))
-        else:
-            loop.add_reader(pidfd, self._on_pidfd, proc, pidfd)
+        """Start forwarding output and waiting for the exit (in tasks of their own)."""
+        task = asyncio.get_running_loop().create_task(self._supervise(proc))
+        self._supervisors.add(task)
+        task.add_done_callback(self._supervisors.discard)
         if lifetime:
-            proc.timer = loop.call_later(lifetime, self._expire, proc)
+            proc.timer = asyncio.get_running_loop().call_later(lifetime, self._expire, proc)
 
     @staticmethod
     def _expire(proc: Proc) -> None:
@@ -311,46 +431,17 @@ class ProcessService:
         proc.timed_out = True
         proc.signal(signal.SIGKILL)
 
-    def _read(self, proc: Proc, fd: int, kind: str) -> int:
-        """Read one chunk and publish it: bytes read, 0 if nothing is available, -1 once the stream ended."""
+    async def _supervise(self, proc: Proc) -> None:
+        """Forward output until the process exited and its output is drained, close its I/O (as Go's
+        Wait does), then publish `end` after the last output."""
+        pumps = [asyncio.ensure_future(proc.pump(fd, kind)) for fd, kind in proc.outputs.items()]
         try:
-            data = os.read(fd, PTY_CHUNK if kind == "pty" else STD_CHUNK)
-        except BlockingIOError:
-            return 0
-        except OSError:  # EIO on a PTY master once the slave side is gone
-            data = b""
-        if not data:
-            self._close_output(proc, fd)
-            return -1
-        proc.publish({"data": {kind: _b64(data)}})
-        return len(data)
-
-    def _on_output(self, proc: Proc, fd: int, kind: str) -> None:
-        self._read(proc, fd, kind)
-
-    def _close_output(self, proc: Proc, fd: int) -> None:
-        if proc.outputs.pop(fd, None) is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-            os.close(fd)
-
-    def _on_pidfd(self, proc: Proc, pidfd: int) -> None:
-        asyncio.get_running_loop().remove_reader(pidfd)
-        os.close(pidfd)
-        self._finish(proc, proc.popen.wait())
-
-    async def _wait_thread(self, proc: Proc) -> None:
-        self._finish(proc, await asyncio.to_thread(proc.popen.wait))
-
-    def _finish(self, proc: Proc, returncode: int) -> None:
-        """Drain what the process wrote before exiting, close its I/O (as Go's Wait does), publish `end`."""
-        for fd, kind in list(proc.outputs.items()):
-            budget = DRAIN_LIMIT
-            while budget > 0:
-                n = self._read(proc, fd, kind)
-                if n <= 0:
-                    break
-                budget -= n
-            self._close_output(proc, fd)
+            returncode = await proc.wait_exit()
+            proc.exited.set()
+            await asyncio.gather(*pumps)
+        finally:
+            for pump in pumps:
+                pump.cancel()
         if proc.stdin_fd is not None:
             os.close(proc.stdin_fd)
             proc.stdin_fd = None
@@ -394,6 +485,7 @@ class ProcessService:
                         raise ConnectError("deadline_exceeded", "the operation timed out") from None
                     yield {"event": {"keepalive": {}}}
                     continue
+                proc.taken()
                 if "end" in msg["event"]:
                     if proc.timed_out and deadline is not None:
                         raise ConnectError("deadline_exceeded", "the operation timed out")
@@ -402,7 +494,7 @@ class ProcessService:
                 yield msg
         finally:
             if q is not None:
-                proc.subscribers.discard(q)
+                proc.unsubscribe(q)
 
     async def start(self, request: web.Request, req: Message) -> AsyncIterator[Message]:
         user = request_user(request, self.state)
@@ -414,7 +506,7 @@ class ProcessService:
             yield msg
 
     async def connect(self, request: web.Request, req: Message) -> AsyncIterator[Message]:
-        proc = self._select(field(req, "process"), include_ended=True)
+        proc = self._select(obj(req, "process"), include_ended=True)
         q = None if proc.end is not None else proc.subscribe()
         async for msg in self._events(request, proc, q):
             yield msg
@@ -423,50 +515,51 @@ class ProcessService:
         return {"processes": [p.info() for p in self.running.values()]}
 
     async def _send(self, proc: Proc, data_input: Message | None) -> None:
-        if not isinstance(data_input, dict):
+        if data_input is None:
             return
         if "pty" in data_input:
             if proc.pty_master is None:
                 raise ConnectError("failed_precondition", f"process {proc.pid} has no PTY")
-            await proc.write(_unb64(data_input["pty"]))
+            await proc.write(_unb64(text(data_input, "pty")))
         elif "stdin" in data_input:
-            await proc.write(_unb64(data_input["stdin"]))
+            await proc.write(_unb64(text(data_input, "stdin")))
 
     async def send_input(self, request: web.Request, req: Message) -> Message:
-        proc = self._select(field(req, "process"))
-        await self._send(proc, field(req, "input"))
+        proc = self._select(obj(req, "process"))
+        await self._send(proc, obj(req, "input"))
         return {}
 
     async def stream_input(self, request: web.Request, messages: AsyncIterator[Message]) -> Message:
         proc: Proc | None = None
         async for msg in messages:
             if "start" in msg:
-                proc = self._select(field(msg["start"], "process"))
+                proc = self._select(obj(obj(msg, "start"), "process"))
             elif "data" in msg:
                 if proc is None:
                     raise ConnectError("failed_precondition", "first message must be start")
-                await self._send(proc, field(msg["data"], "input"))
+                await self._send(proc, obj(obj(msg, "data"), "input"))
         return {}
 
     async def send_signal(self, request: web.Request, req: Message) -> Message:
-        proc = self._select(field(req, "process"))
-        sig = SIGNALS.get(field(req, "signal"))
+        proc = self._select(obj(req, "process"))
+        value = field(req, "signal")
+        sig = SIGNALS.get(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
         if sig is None:
-            raise ConnectError("unimplemented", f"invalid signal: {field(req, 'signal')}")
+            raise invalid(f"invalid signal: {str(value)[:64]} (SIGNAL_SIGKILL or SIGNAL_SIGTERM)")
         proc.signal(sig)
         return {}
 
     async def close_stdin(self, request: web.Request, req: Message) -> Message:
-        self._select(field(req, "process")).close_stdin()
+        self._select(obj(req, "process")).close_stdin()
         return {}
 
     async def update(self, request: web.Request, req: Message) -> Message:
-        proc = self._select(field(req, "process"))
-        pty = field(req, "pty")
+        proc = self._select(obj(req, "process"))
+        pty = obj(req, "pty")
         if pty is not None:
             if proc.pty_master is None:
                 raise ConnectError("failed_precondition", f"process {proc.pid} has no PTY")
-            _set_winsize(proc.pty_master, field(pty, "size"))
+            _set_winsize(proc.pty_master, *_winsize(obj(pty, "size")))
         return {}
 
     def shutdown(self) -> None:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
+from .connect import MAX_MESSAGE_BYTES
 from .files_api import FilesAPI
 from .filesystem import FilesystemService
 from .httperr import UNAUTHORIZED, json_error
 from .process import ProcessService
-from .state import State
+from .state import State, same_secret
 from .system_api import SystemAPI
 
 log = logging.getLogger(__name__)
@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 # Paths that do their own authorisation (reference envd `authExcludedPaths`).
 AUTH_EXCLUDED = {("GET", "/health"), ("GET", "/files"), ("POST", "/files"), ("POST", "/init")}
 CORS_EXPOSE = "Connect-Protocol-Version, Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Content-Encoding"
+
+MAX_REQUEST_LINE = 64 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,11 +43,22 @@ def build_app(state: State) -> web.Application:
                 },
             )
         token = state.access_token
-        if token and (request.method, request.path) not in AUTH_EXCLUDED:
-            sent = request.headers.get("X-Access-Token", "")
-            if not hmac.compare_digest(sent.encode(), token.encode()):
-                return json_error(401, UNAUTHORIZED)
-        return await handler(request)
+        sent = request.headers.get("X-Access-Token", "")
+        exempt = (request.method, request.path) in AUTH_EXCLUDED
+        if token and not exempt and not same_secret(sent, token):
+            return json_error(401, UNAUTHORIZED)
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # aiohttp's own refusals (too large, not found, ...) as JSON
+            if e.status < 400:
+                raise
+            response = json_error(e.status, e.reason)
+            if "Allow" in e.headers:
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
+        except Exception:  # Connect routes answer their own errors; this is the HTTP routes' last resort
+            log.exception("%s %s failed", request.method, request.path)
+            return json_error(500, "internal error")
 
     async def cors(request: web.Request, response: web.StreamResponse) -> None:
         response.headers.setdefault("Access-Control-Allow-Origin", "*")
@@ -55,7 +68,7 @@ def build_app(state: State) -> web.Application:
         processes.shutdown()
         filesystem.shutdown()
 
-    app = web.Application(middlewares=[access], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[access], client_max_size=MAX_MESSAGE_BYTES)
     app.on_response_prepare.append(cors)
     app.on_shutdown.append(shutdown)
     app.add_routes(SystemAPI(state).routes())
@@ -71,9 +84,15 @@ async def _no_content(request: web.Request) -> web.Response:
 
 
 def runner_options() -> dict[str, object]:
-    """aiohttp >= 3.9 stops cancelling handlers on client disconnect by default; streams rely on it."""
+    """aiohttp >= 3.9 stops cancelling handlers on client disconnect by default; streams rely on it.
+
+    The request line may be long enough for a query naming a PATH_MAX path in percent-encoded UTF-8,
+    so that envd itself judges such a path (with a JSON error) rather than the HTTP parser."""
     major, minor = (int(p) for p in aiohttp.__version__.split(".")[:2])
-    return {"handler_cancellation": True} if (major, minor) >= (3, 9) else {}
+    options: dict[str, object] = {"max_line_size": MAX_REQUEST_LINE}
+    if (major, minor) >= (3, 9):
+        options["handler_cancellation"] = True
+    return options
 
 
 async def serve(state: State, host: str, port: int) -> None:

@@ -1,8 +1,35 @@
-"""Mutable daemon-wide configuration, set from the command line and by `POST /init`."""
+"""Mutable daemon-wide configuration, set from the command line and by `POST /init`.
+
+What `/init` set can be kept in a root-only file (the guest's init names one on the /run tmpfs),
+so that an envd restarted after a crash keeps the sandbox's access token, environment and
+defaults instead of coming back open to anyone and without the sandbox's variables.
+"""
 
 from __future__ import annotations
 
+import hmac
+import json
+import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# What `/init` sets, with the type a saved value must have to be taken back.
+PERSISTED: dict[str, type] = {
+    "default_user": str,
+    "default_workdir": str,
+    "access_token": str,
+    "env_vars": dict,
+}
+
+
+def same_secret(sent: str, expected: str) -> bool:
+    """Constant-time comparison of a client-sent secret (any characters) with the expected one."""
+    return hmac.compare_digest(
+        sent.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    )
 
 
 @dataclass
@@ -14,3 +41,37 @@ class State:
     # as restored and forked guests carry their source's token (the node's proxy refuses /init).
     host_peer: str | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
+    store: Path | None = None
+
+    def save(self) -> None:
+        """Write the `/init` settings to the store (atomically, readable by root only)."""
+        if self.store is None:
+            return
+        data = json.dumps({name: getattr(self, name) for name in PERSISTED}).encode()
+        tmp = self.store.with_name(self.store.name + ".tmp")
+        try:
+            self.store.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.store)
+        except OSError as e:
+            log.warning("cannot keep the sandbox settings in %s: %s", self.store, e)
+
+    def restore(self) -> None:
+        """Take over the settings a previous envd saved, if there are any."""
+        if self.store is None:
+            return
+        try:
+            data = json.loads(self.store.read_bytes())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable sandbox settings in %s: %s", self.store, e)
+            return
+        if not isinstance(data, dict):
+            return
+        for name, kind in PERSISTED.items():
+            if isinstance(data.get(name), kind):
+                setattr(self, name, data[name])
+        log.info("restored the sandbox settings from %s", self.store)

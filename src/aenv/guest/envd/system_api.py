@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import logging
 import os
 import re
@@ -15,8 +14,10 @@ from typing import Any
 from aiohttp import web
 
 from . import ENVD_VERSION
+from .connect import ConnectError, loads
 from .httperr import UNAUTHORIZED, json_error
-from .state import State
+from .inputs import c_string, path_string, string_map, text
+from .state import State, same_secret
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def sync_clock(target_ns: int) -> bool:
         return False
     try:
         time.clock_settime_ns(time.CLOCK_REALTIME, target_ns)
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         log.warning("cannot set the clock (drift %.3f s): %s", drift / 1e9, e)
         return False
     log.info("clock stepped by %.3f s", drift / 1e9)
@@ -117,40 +118,43 @@ class SystemAPI:
 
     async def init(self, request: web.Request) -> web.Response:
         """Configure the sandbox. Once a token is set, re-initialising requires presenting it,
-        except for the node itself (the host peer)."""
+        except for the node itself (the host peer). What it sets survives an envd restart."""
         current = self.state.access_token
         from_node = self.state.host_peer is not None and request.remote == self.state.host_peer
-        presented = request.headers.get("X-Access-Token", "").encode()
-        if current and not from_node and not hmac.compare_digest(presented, current.encode()):
+        if current and not from_node and not same_secret(request.headers.get("X-Access-Token", ""), current):
             return json_error(401, UNAUTHORIZED)
         try:
-            body: Any = await request.json() if await request.read() else {}
+            body: Any = loads(await request.read())
         except ValueError:
             return json_error(400, "invalid JSON body")
         if not isinstance(body, dict):
             return json_error(400, "body must be a JSON object")
-        env_vars = body.get("envVars") or {}
-        if not isinstance(env_vars, dict):
-            return json_error(400, "envVars must be an object")
-        timestamp = entropy = None
         try:
-            if body.get("timestamp"):
-                timestamp = parse_rfc3339_ns(str(body["timestamp"]))
-            if body.get("entropy"):
-                entropy = base64.b64decode(str(body["entropy"]), validate=True)
+            env_vars = string_map(body.get("envVars"), "envVars")
+            token, user, workdir = (
+                text(body, name) for name in ("accessToken", "defaultUser", "defaultWorkdir")
+            )
+            c_string(user, "defaultUser")
+            if workdir:
+                path_string(workdir, "defaultWorkdir")
+            timestamp = parse_rfc3339_ns(text(body, "timestamp")) if body.get("timestamp") else None
+            entropy = base64.b64decode(text(body, "entropy"), validate=True) if body.get("entropy") else None
+        except ConnectError as e:
+            return json_error(400, e.message)
         except (ValueError, binascii.Error) as e:
             return json_error(400, f"invalid init field: {e}")
         if timestamp is not None:
             sync_clock(timestamp)
         if entropy:
             add_entropy(entropy)
-        self.state.env_vars.update({str(k): str(v) for k, v in env_vars.items()})
-        if body.get("accessToken"):
-            self.state.access_token = str(body["accessToken"])
-        if body.get("defaultUser"):
-            self.state.default_user = str(body["defaultUser"])
-        if body.get("defaultWorkdir"):
-            self.state.default_workdir = str(body["defaultWorkdir"])
+        self.state.env_vars.update(env_vars)
+        if token:
+            self.state.access_token = token
+        if user:
+            self.state.default_user = user
+        if workdir:
+            self.state.default_workdir = workdir
+        self.state.save()
         return web.Response(status=204)
 
     async def envs(self, request: web.Request) -> web.Response:

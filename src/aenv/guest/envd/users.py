@@ -15,6 +15,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from .connect import ConnectError
+from .inputs import path_string
 from .state import State
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ def lookup_user(name: str) -> User:
     """Resolve a user name; unknown names are an authentication failure, as in the reference envd."""
     try:
         pw = pwd.getpwnam(name)
-    except KeyError:
-        raise ConnectError("unauthenticated", f"invalid username: '{name}'") from None
+    except (KeyError, ValueError):  # ValueError: a NUL byte or an unencodable name, never a user
+        raise ConnectError("unauthenticated", f"invalid username: '{name[:256]}'") from None
     return User(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir or "/", pw.pw_shell or "/bin/sh")
 
 
@@ -78,7 +79,10 @@ def request_user(request: web.Request, state: State) -> User:
 
 
 def resolve_path(path: str, user: User, workdir: str | None) -> str:
-    """Expand `~`, make relative paths relative to the user's home; empty means the default workdir."""
+    """Expand `~`, make relative paths relative to the user's home; empty means the default workdir.
+
+    Paths the kernel could never take (NUL bytes, longer than PATH_MAX) are `invalid_argument`."""
+    path_string(path)
     if not path:
         return os.path.normpath(workdir or user.home)
     if path == "~" or path.startswith("~/"):
@@ -87,7 +91,7 @@ def resolve_path(path: str, user: User, workdir: str | None) -> str:
         raise ConnectError("invalid_argument", f"path '{path}' uses an unsupported ~user form")
     if not os.path.isabs(path):
         path = os.path.join(user.home, path)
-    return os.path.normpath(path)
+    return path_string(os.path.normpath(path))
 
 
 class _FsCreds:
