@@ -20,7 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import __version__
+from . import __version__, paths
 from .api.server import NodeAPI
 from .config import Settings, load_settings
 from .guest.artifacts import ensure_guest_artifacts
@@ -83,7 +83,7 @@ class Node:
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
-        repository = SnapshotRepository(home / "repository")
+        repository = SnapshotRepository(paths.repository_dir(home))
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.
         self.networks = NetworkPool(
