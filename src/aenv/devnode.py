@@ -17,7 +17,6 @@ starts.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import secrets
@@ -42,7 +41,10 @@ NETNS_DIR = Path("/run/netns")
 # accelerator, the QEMU binary); every other AENV_* and E2B_* variable is the launcher's to set.
 PASSED_THROUGH = ("AENV_CACHE_DIR", "AENV_ACCEL", "AENV_KERNEL", "AENV_INITRAMFS", "AENV_QEMU")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # where `import aenv` found this package
-_PR_SET_PDEATHSIG = 1
+# The node gets SIGTERM when the thread that started it ends, even by SIGKILL, so it still ends
+# its sandboxes (it runs in a session of its own, which Ctrl-C does not reach). util-linux's
+# setpriv sets that before exec: a preexec_fn could deadlock in a process with threads.
+_SERVER = ["setpriv", "--pdeathsig", "TERM", "--", sys.executable, "-m", "aenv.cli", "server"]
 
 
 class DevNodeError(RuntimeError):
@@ -103,19 +105,13 @@ def seed_home(home: Path, seed: Path, template: str = BASE_TEMPLATE) -> str:
     return manifest.id
 
 
-def _stop_with_parent() -> None:
-    """In the node's process before exec: SIGTERM when its starter dies, even by SIGKILL, so the
-    node still ends its sandboxes (it runs in a session of its own, which Ctrl-C does not reach)."""
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-
-
 class DevNode:
     """`aenv server` on `home`, a free loopback port and its own network slots; a context manager.
 
     `settings` become the node's `AENV_<NAME>` variables (`warm_pool_size=1`). Nodes that run
     at the same time need disjoint slot ranges. The log of every start is appended to
-    `log_path`. Namespaces present before this object was made are never touched.
+    `log_path`. Namespaces present before this object was made are never touched. The node
+    stops when the thread that started it ends: start it from one that outlives it.
     """
 
     def __init__(
@@ -189,9 +185,8 @@ class DevNode:
             log.write(f"\n==== start #{self.starts} ====\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "aenv.cli", "server"],
-                cwd=_PACKAGE_ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_stop_with_parent,
+                _SERVER, cwd=_PACKAGE_ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while not self.healthy(timeout=2):
