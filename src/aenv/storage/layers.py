@@ -4,7 +4,8 @@ A sandbox writes into its own qcow2 layer whose reads fall through to read-only 
 (the template's, then the base root filesystem). Layers are created at their final path and
 never move, because every qcow2 layer records the path of the layer below it; sealing a layer
 (when a snapshot captures it) only means nothing writes to it again, so a snapshot of a disk
-costs no copy however much was written. Layer ids are random, lowercase and time-ordered.
+costs no copy however much was written. Another home's sealed layers are taken over by
+`adopt`, which fixes the recorded paths on copies. Layer ids are random, lowercase and time-ordered.
 """
 
 from __future__ import annotations
