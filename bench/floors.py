@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv.network.netns import SandboxNetwork
-from aenv.paths import layers_dir, repository_dir
 from aenv.snapshot import devstate
 from aenv.snapshot.repository import SnapshotRepository
 from aenv.storage.layers import LayerStore
@@ -53,10 +52,10 @@ class FloorLab:
     """Restores the node's `base` template on bare QEMU; owns every clone until `close`."""
 
     def __init__(self, home: Path, template: str = "base"):
-        repository = SnapshotRepository(repository_dir(home))
+        repository = SnapshotRepository(home / "repository")
         self.manifest = repository.get(template)
         shape = self.manifest.machine
-        self.lower = LayerStore(layers_dir(home)).path(self.manifest.disk_layers[-1])
+        self.lower = LayerStore(home / "layers").path(self.manifest.disk_layers[-1])
         self._boot = BootFiles(
             kernel=repository.blob_path(shape.kernel_digest),
             initramfs=repository.blob_path(shape.initramfs_digest),

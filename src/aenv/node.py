@@ -20,7 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import __version__, paths
+from . import __version__
 from .api.server import NodeAPI
 from .config import Settings, load_settings
 from .guest.artifacts import ensure_guest_artifacts
@@ -28,6 +28,7 @@ from .network.pool import NetworkPool
 from .network.slots import SlotAllocator
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
+from .paths import repository_dir
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound, SnapshotRepository
@@ -83,7 +84,7 @@ class Node:
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
-        repository = SnapshotRepository(paths.repository_dir(home))
+        repository = SnapshotRepository(repository_dir(home))
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.
         self.networks = NetworkPool(
