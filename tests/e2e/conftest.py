@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 
-from aenv.devnode import DevNode
+from aenv.devnode import DevNode, free_port, netns_names
 
 # The tests' name for the node they drive.
 NodeServer = DevNode
+# What the tests import from here.
+__all__ = ["NodeServer", "Sandboxes", "free_port", "netns_names", "run_in", "wait_until"]
 # This node's network slots: apart from the defaults (0), the CLI tests' nodes (4096) and bench (12288).
 SLOT_FIRST = 8192
 
