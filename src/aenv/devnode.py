@@ -30,10 +30,10 @@ from pathlib import Path
 import httpx
 
 from . import paths
+from .node import BASE_TEMPLATE
 from .snapshot.repository import SnapshotNotFound, SnapshotRepository
 from .storage.layers import LayerStore
 
-BASE_TEMPLATE = "base"  # the template `aenv.node` builds at its first start
 START_TIMEOUT = 600.0  # seconds; a fresh, unseeded home builds `base` first
 STOP_TIMEOUT = 180.0  # seconds for SIGTERM (the node pauses or kills its sandboxes) before SIGKILL
 NETNS_DIR = Path("/run/netns")
@@ -48,7 +48,7 @@ _SERVER = ["setpriv", "--pdeathsig", "TERM", "--", sys.executable, "-m", "aenv.c
 
 
 class DevNodeError(RuntimeError):
-    """The node did not start, or exited while starting."""
+    """The node did not start, exited while starting, or its seed has nothing to seed it with."""
 
 
 def free_port() -> int:
