@@ -1,9 +1,11 @@
 """Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
+                    [--seed HOME]
 
-Starts its own node (`aenv server` on a temporary home, removed afterwards) unless AENV_URL names
-one (with AENV_API_KEY); floors and host figures need the node's host and are n/a then. Each row:
+Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
+builds the `base` template, or takes the one of the node home given by --seed) unless AENV_URL
+names one (with AENV_API_KEY); floors and host figures need the node's host and are n/a then. Each row:
 median, p95, p99, min, max, n, the target, the floor measured in the same run, the ratio to it,
 and whether the target is met. Times are wall clock from the client's request to the node's
 answer, which for create, resume and fork comes only after the guest's envd answered `/init`.
@@ -55,6 +57,9 @@ def main() -> int:
         "--profile", choices=FIGURES, metavar="NAME", help="py-spy the node during this figure"
     )
     parser.add_argument("--profile-format", choices=sorted(FORMATS), default="speedscope")
+    parser.add_argument(
+        "--seed", type=Path, metavar="HOME", help="start the node with the `base` template of this node home"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -63,6 +68,7 @@ def main() -> int:
         json_path=args.json or REPO / "bench" / "results" / f"{args.mode}.json",
         profile=args.profile,
         profile_format=args.profile_format,
+        seed=args.seed,
     )
     try:
         return run(options)

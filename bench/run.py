@@ -54,6 +54,7 @@ class Options:
     json_path: Path
     profile: str | None = None
     profile_format: str = "speedscope"
+    seed: Path | None = None  # a node home whose `base` template the harness's node starts with
 
     @property
     def plan(self) -> Plan:
@@ -136,7 +137,7 @@ def run(options: Options) -> int:
     started = time.monotonic()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     remote = remote_node()
-    with LocalNode() if remote is None else contextlib.nullcontext(remote) as node:
+    with LocalNode(options.seed) if remote is None else contextlib.nullcontext(remote) as node:
         if options.profile and node.pid is None:
             print("bench: --profile needs a node on this host; not profiling", file=sys.stderr)
         rows, errors, extra = asyncio.run(measure(node, options))

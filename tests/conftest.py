@@ -1,7 +1,8 @@
 """Session-wide fixtures for tests that run real VMs.
 
 One node home and one `base` template per test session: tests restore sandboxes from the
-template's snapshot instead of booting. The engine is asynchronous while the E2B SDK used by
+template's snapshot instead of booting, and node subprocesses (tests/e2e, tests/cli) start on
+homes seeded with it. The engine is asynchronous while the E2B SDK used by
 the tests is synchronous, so the node's event loop runs in a thread of its own.
 """
 
@@ -68,11 +69,12 @@ def node_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(node_home: Path, guest_artifacts, node_loop: NodeLoop):
+    from aenv.paths import repository_dir
     from aenv.snapshot.engine import SnapshotEngine
     from aenv.snapshot.repository import SnapshotRepository
     from aenv.vmm.accel import accelerator_from_env
 
-    repository = SnapshotRepository(node_home / "repository")
+    repository = SnapshotRepository(repository_dir(node_home))
     return SnapshotEngine(node_home, repository, guest_artifacts, accelerator_from_env().accel)
 
 
@@ -80,6 +82,13 @@ def engine(node_home: Path, guest_artifacts, node_loop: NodeLoop):
 def base_template(engine, node_loop: NodeLoop):
     """The `base` template, built once per session by a real boot."""
     return node_loop.run(engine.build_template("base"))
+
+
+@pytest.fixture(scope="session")
+def template_seed(node_home: Path, base_template) -> Path:
+    """A node home holding the session's `base` template: the nodes that tests start are seeded
+    from it (`aenv.devnode.seed_home`), so a test run builds `base` once."""
+    return node_home
 
 
 @dataclass

@@ -30,6 +30,7 @@ from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
+from .paths import repository_dir
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound, SnapshotRepository
@@ -86,7 +87,7 @@ class Node:
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
-        repository = SnapshotRepository(home / "repository")
+        repository = SnapshotRepository(repository_dir(home))
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.
         self.networks = NetworkPool(

@@ -12,3 +12,14 @@ def cache_dir() -> Path:
 def home_dir() -> Path:
     """Node state (VMs, snapshots, database); tests point it at a temporary directory."""
     return Path(os.environ.get("AENV_HOME_PATH") or os.environ.get("AENV_HOME") or "/var/lib/aenv")
+
+
+def repository_dir(home: Path) -> Path:
+    """A node home's snapshot repository: templates and snapshots, the home's durable part."""
+    return home / "repository"
+
+
+def layers_dir(home: Path) -> Path:
+    """A node home's qcow2 disk layers, kept beside the repository (they name their backing files
+    by absolute path, see `aenv.storage.layers`)."""
+    return home / "layers"

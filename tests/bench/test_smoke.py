@@ -1,5 +1,6 @@
-"""One real run of the harness (`--mode smoke`) against a node of its own: it measures, reports and
-cleans up. Timing targets are not asserted here: they are what the harness is for."""
+"""One real run of the harness (`--mode smoke`) against a node of its own, seeded with the session's
+`base` template: it measures, reports and cleans up. Timing targets are not asserted here: they
+are what the harness is for."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.node import SLOT_FIRST, netns_names
+from aenv.devnode import netns_names
+from bench.node import SLOT_FIRST
 
 pytestmark = pytest.mark.vm
 
@@ -23,14 +25,15 @@ def _scratch_dirs() -> set[str]:
     return {p.name for p in Path("/tmp").glob("aenv-bench-*")}
 
 
-def test_smoke_run_reports_every_figure_and_leaves_nothing(tmp_path: Path):
+def test_smoke_run_reports_every_figure_and_leaves_nothing(tmp_path: Path, template_seed: Path):
     if os.geteuid() != 0:
         pytest.skip("the harness starts a node, which needs root (network namespaces)")
     result_path = tmp_path / "smoke.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
     dirs_before, netns_before = _scratch_dirs(), netns_names()
+    command = ["--mode", "smoke", "--json", str(result_path), "--seed", str(template_seed)]
     run = subprocess.run(
-        [sys.executable, "-m", "bench", "--mode", "smoke", "--json", str(result_path)],
+        [sys.executable, "-m", "bench", *command],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-4000:]}"

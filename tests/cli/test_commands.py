@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import API_KEY, CLI, Server
+from aenv.devnode import DevNode
+
+from .conftest import API_KEY, CLI
 
 pytestmark = pytest.mark.vm
 
 
-def test_auth_verifies_and_stores_credentials_0600(cli: CLI, server: Server, tmp_path: Path) -> None:
+def test_auth_verifies_and_stores_credentials_0600(cli: CLI, server: DevNode, tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "AENV_URL": "", "AENV_API_KEY": ""}
     rejected = cli.run("auth", input=f"{server.url}\nwrong-key\n".encode(), env=env)
     assert rejected.code == 1

@@ -4,7 +4,8 @@ A sandbox writes into its own qcow2 layer whose reads fall through to read-only 
 (the template's, then the base root filesystem). Layers are created at their final path and
 never move, because every qcow2 layer records the path of the layer below it; sealing a layer
 (when a snapshot captures it) only means nothing writes to it again, so a snapshot of a disk
-costs no copy however much was written. Layer ids are random, lowercase and time-ordered.
+costs no copy however much was written. Another home's sealed layers are taken over by
+`adopt`, which fixes the recorded paths on copies. Layer ids are random, lowercase and time-ordered.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
+import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -31,14 +35,34 @@ class LayerError(RuntimeError):
     """qemu-img failed, or a layer is missing."""
 
 
+def _failure(args: tuple[str, ...], stderr: bytes) -> LayerError:
+    return LayerError(f"qemu-img {args[0]} failed: {stderr.decode(errors='replace').strip()}")
+
+
 async def _qemu_img(*args: str) -> str:
     process = await asyncio.create_subprocess_exec(
         "qemu-img", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await process.communicate()
     if process.returncode != 0:
-        raise LayerError(f"qemu-img {args[0]} failed: {err.decode(errors='replace').strip()}")
+        raise _failure(args, err)
     return out.decode()
+
+
+def _qemu_img_sync(*args: str) -> None:
+    done = subprocess.run(["qemu-img", *args], capture_output=True, check=False)
+    if done.returncode != 0:
+        raise _failure(args, done.stderr)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """`target` becomes `source` by hardlink (a copy across filesystems), appearing at once."""
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        os.link(source, staging)
+    except OSError:
+        shutil.copyfile(source, staging)
+    os.replace(staging, target)
 
 
 class LayerStore:
@@ -59,13 +83,35 @@ class LayerStore:
         layer_id = "b" + digest.removeprefix("sha256:")[:40]
         target = self.path(layer_id)
         if not target.exists():
-            staging = self.root / f".{layer_id}.{os.getpid()}.tmp"
-            try:
-                os.link(image, staging)
-            except OSError:
-                staging.write_bytes(image.read_bytes())
-            os.replace(staging, target)
+            _link_or_copy(image, target)
         return layer_id
+
+    def adopt(self, source: LayerStore, chain: Sequence[str]) -> None:
+        """Give this store another store's sealed layers `chain` (bottom to top, the bottom one
+        without backing file, as a template's are), cheaply and independent of `source`.
+
+        The bottom layer is shared by hardlink. Every layer above records the absolute path of
+        the one below, so it is copied (small: what a boot wrote) and the copy rebased onto this
+        store's layer; `rebase -u` rewrites only that path. Rebasing a hardlink would change
+        the source's layer too. Layers already here are kept.
+        """
+        for below, layer_id in zip([None, *chain], chain, strict=False):
+            target = self.path(layer_id)
+            if target.exists():
+                continue
+            if below is None:
+                _link_or_copy(source.path(layer_id), target)
+                continue
+            staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            try:
+                shutil.copyfile(source.path(layer_id), staging)
+                _qemu_img_sync(
+                    "rebase", "-u", "-f", "qcow2", "-F", "qcow2", "-b", str(self.path(below)), str(staging)
+                )
+                os.chmod(staging, 0o444)
+                os.replace(staging, target)
+            finally:
+                staging.unlink(missing_ok=True)
 
     async def create_upper(self, below: str) -> str:
         """A new writable layer on top of layer `below`."""
