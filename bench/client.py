@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import base64
 import json
-import struct
 from typing import Any
 
 import httpx
 
-from .node import DEFAULT_TIMEOUT, BenchError, Node
+from aenv.agent.envd import ENVD_PORT
+from aenv.agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
 
-ENVD_PORT = 49983
-_END_STREAM = 0x02
+from .node import DEFAULT_TIMEOUT, BenchError, Node
 
 
 class NodeClient:
@@ -96,7 +95,7 @@ class NodeClient:
         }
         if sandbox.get("envdAccessToken"):
             headers["X-Access-Token"] = sandbox["envdAccessToken"]
-        body = struct.pack(">BI", 0, len(payload)) + payload
+        body = envelope(payload)
         response = await self.http.post(
             "/process.Process/Start", content=body, headers=headers, timeout=timeout
         )
@@ -109,13 +108,14 @@ def _command_output(command: str, stream: bytes) -> str:
     """stdout of a finished Start stream (5-byte framed Connect envelopes); raises on failure."""
     stdout, stderr = bytearray(), bytearray()
     position = 0
-    while position + 5 <= len(stream):
-        flags, size = struct.unpack(">BI", stream[position : position + 5])
-        if position + 5 + size > len(stream):
+    while position + ENVELOPE_HEADER <= len(stream):
+        flags, size = envelope_header(stream[position : position + ENVELOPE_HEADER])
+        start = position + ENVELOPE_HEADER
+        if start + size > len(stream):
             break  # cut short
-        frame = json.loads(stream[position + 5 : position + 5 + size] or b"{}")
-        position += 5 + size
-        if flags & _END_STREAM:
+        frame = json.loads(stream[start : start + size] or b"{}")
+        position = start + size
+        if flags & FLAG_END_STREAM:
             if "error" in frame:
                 raise BenchError(f"{command!r} failed in the guest: {frame['error']}")
             break

@@ -109,7 +109,7 @@ class RunningSandbox:
         from e2b.connection_config import ConnectionConfig
         from packaging.version import Version
 
-        from aenv.guest.envd import ENVD_VERSION
+        from aenv.agent.envd import ENVD_VERSION
 
         headers = {
             "E2b-Sandbox-Id": self.sandbox_id,

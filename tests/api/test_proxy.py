@@ -165,7 +165,7 @@ def proxied_sdk(url: str, sandbox_id: str, token: str | None):
     from e2b.connection_config import ConnectionConfig
     from packaging.version import Version
 
-    from aenv.guest.envd import ENVD_VERSION
+    from aenv.agent.envd import ENVD_VERSION
 
     headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
     if token:

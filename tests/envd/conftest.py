@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aenv.guest.envd import ENVD_VERSION
+from aenv.agent.envd import ENVD_VERSION
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -57,7 +57,7 @@ def run_envd(
             [
                 sys.executable,
                 "-m",
-                "aenv.guest.envd",
+                "aenv.agent.envd",
                 "--host",
                 "127.0.0.1",
                 "--port",

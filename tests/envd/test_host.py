@@ -19,7 +19,7 @@ from e2b import AsyncSandbox, AuthenticationException
 from e2b.connection_config import ConnectionConfig
 from packaging.version import Version
 
-from aenv.guest.envd import ENVD_VERSION
+from aenv.agent.envd import ENVD_VERSION
 from tests.conftest import wait_for
 
 from .conftest import EnvdProcess, run_envd, sdk_sandbox
@@ -270,7 +270,7 @@ async def test_async_watch_dir_stream(envd_server, tmp_path):
 
 
 def test_clock_helpers():
-    from aenv.guest.envd.system_api import parse_rfc3339_ns
+    from aenv.agent.envd.system_api import parse_rfc3339_ns
 
     ts = datetime(2025, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
     assert parse_rfc3339_ns("2025-01-02T03:04:05.123456789Z") == int(ts.timestamp()) * 10**9 + 123456000

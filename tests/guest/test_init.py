@@ -2,7 +2,7 @@
 
 import time
 
-from aenv.guest import init
+from aenv.agent import init
 
 
 def test_parse_cmdline() -> None:

@@ -19,7 +19,7 @@ def test_cold_boot_and_clean_shutdown(guest_artifacts, node_loop, tmp_path):
         from e2b.connection_config import ConnectionConfig
         from packaging.version import Version
 
-        from aenv.guest.envd import ENVD_VERSION
+        from aenv.agent.envd import ENVD_VERSION
 
         config = ConnectionConfig(
             debug=True,

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from pydantic import BaseModel, ValidationError
 
 from .. import __version__
-from ..guest.envd import ENVD_VERSION
+from ..agent.envd import ENVD_VERSION
 from ..orchestrator.errors import (
     Conflict,
     InvalidRequest,

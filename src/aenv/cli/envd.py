@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import base64
 import json
-import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from .. import __version__
+from ..agent.envd import ENVD_PORT
+from ..agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
 from .api import unreachable
 from .config import CLIError
 
-ENVD_PORT = 49983
-END_STREAM = 0x02
 # envd sends a keepalive this often on idle streams; a stream silent for READ_TIMEOUT is dead.
 KEEPALIVE_S = 15
 READ_TIMEOUT = 60.0
@@ -112,7 +111,7 @@ class Envd:
             headers["Connect-Timeout-Ms"] = str(deadline_s * 1000)
         timeout = httpx.Timeout(READ_TIMEOUT, connect=10.0)
         request = self.http.build_request(
-            "POST", f"/{method}", content=struct.pack(">BI", 0, len(payload)) + payload,
+            "POST", f"/{method}", content=envelope(payload),
             headers=headers, timeout=timeout,
         )  # fmt: skip
         try:
@@ -125,13 +124,13 @@ class Envd:
             buffer = b""
             async for chunk in response.aiter_bytes():
                 buffer += chunk
-                while len(buffer) >= 5:
-                    flags, size = struct.unpack(">BI", buffer[:5])
-                    if len(buffer) < 5 + size:
+                while len(buffer) >= ENVELOPE_HEADER:
+                    flags, size = envelope_header(buffer[:ENVELOPE_HEADER])
+                    if len(buffer) < ENVELOPE_HEADER + size:
                         break
-                    message = json.loads(buffer[5 : 5 + size] or b"{}")
-                    buffer = buffer[5 + size :]
-                    if flags & END_STREAM:
+                    message = json.loads(buffer[ENVELOPE_HEADER : ENVELOPE_HEADER + size] or b"{}")
+                    buffer = buffer[ENVELOPE_HEADER + size :]
+                    if flags & FLAG_END_STREAM:
                         if error := message.get("error"):
                             raise EnvdError(str(error.get("code")), str(error.get("message")))
                         return

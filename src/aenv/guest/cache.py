@@ -20,19 +20,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from aenv.paths import cache_dir
+from aenv.snapshot.repository import file_digest as repository_digest
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 1 << 20
-
 
 def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 of a file's bytes, as bare hex (the repository's digest without its `sha256:`)."""
+    return repository_digest(path).removeprefix("sha256:")
 
 
 def tree_digest(root: Path, pattern: str = "*") -> str:

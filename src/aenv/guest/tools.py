@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aenv.agent
 from aenv.guest.cache import cached_build, file_digest, inputs_key, tree_digest
 
 log = logging.getLogger(__name__)
@@ -20,12 +21,11 @@ log = logging.getLogger(__name__)
 TOOLS_LABEL = "aenv-tools"
 TOOLS_MOUNT = "/opt/aenv"
 ENVD_PACKAGE = "aenv_envd"
-ENVD_PORT = 49983
 PRODUCT = "tools.img"
 
-GUEST_DIR = Path(__file__).parent
-INIT_SOURCE = GUEST_DIR / "init.py"
-ENVD_SOURCE = GUEST_DIR / "envd"
+AGENT_DIR = Path(aenv.agent.__file__).parent
+INIT_SOURCE = AGENT_DIR / "init.py"
+ENVD_SOURCE = AGENT_DIR / "envd"
 
 # The one place guest-side Python dependencies are pinned (the host venv's versions, so envd
 # runs in the guest with what its tests run on the host). Guest: Debian bookworm, CPython 3.11.

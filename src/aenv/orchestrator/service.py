@@ -15,11 +15,13 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
+from .. import clock
+from ..agent.envd import ENVD_VERSION
+from ..clock import rfc3339
 from ..config import Settings
-from ..guest.envd import ENVD_VERSION
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
@@ -45,14 +47,6 @@ LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with th
 # QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
 # API's error boundary (logged with its traceback, answered as an internal error).
 ENGINE_FAILURES = (RuntimeError, OSError, ValueError, RepositoryError)
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _iso(moment: datetime) -> str:
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _parse(value: str) -> datetime:
@@ -250,15 +244,15 @@ class Orchestrator:
         policy = egress_policy(request.allow_internet, request.network)
         timeout = self.settings.default_timeout if request.timeout is None else request.timeout
         self._check_timeout(timeout)
-        now = _now()
+        now = clock.now()
         record = SandboxRecord(
             sandbox_id=new_sandbox_id(),
             template_id=manifest.id,
             alias=manifest.alias,
             state=State.CREATING,
-            created_at=_iso(now),
-            started_at=_iso(now),
-            end_at=_iso(now + timedelta(seconds=timeout)),
+            created_at=rfc3339(now),
+            started_at=rfc3339(now),
+            end_at=rfc3339(now + timedelta(seconds=timeout)),
             timeout=timeout,
             auto_pause=request.auto_pause,
             auto_resume=request.auto_resume,
@@ -304,13 +298,13 @@ class Orchestrator:
 
     def _set_end(self, sandbox: Sandbox, timeout: int) -> None:
         sandbox.record.paused_at = None
-        sandbox.record.end_at = _iso(_now() + timedelta(seconds=timeout))
+        sandbox.record.end_at = rfc3339(clock.now() + timedelta(seconds=timeout))
 
     def _stopped(self, sandbox: Sandbox) -> None:
         """The sandbox's VM is gone (paused): drop its connections and its handle."""
         self.on_stopped(sandbox.id)
         sandbox.vm = None
-        sandbox.record.paused_at = sandbox.record.paused_at or _iso(_now())
+        sandbox.record.paused_at = sandbox.record.paused_at or rfc3339(clock.now())
 
     def _forget(self, sandbox: Sandbox) -> None:
         self.sandboxes.pop(sandbox.id, None)
@@ -339,7 +333,7 @@ class Orchestrator:
             if sandbox.vm is not vm or sandbox.id not in self.sandboxes:
                 return
             exited = _exit_reason(code)
-            reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {_iso(_now())}"
+            reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {rfc3339(clock.now())}"
             log.error("sandbox %s was lost: %s", sandbox.id, reason)
             self.counters["lost"] += 1
             self.lost[sandbox.id] = reason
@@ -363,7 +357,7 @@ class Orchestrator:
                 await self.engine.pause(sandbox.vm)
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
-            sandbox.record.paused_at = _iso(_now())
+            sandbox.record.paused_at = rfc3339(clock.now())
             self._stopped(sandbox)
 
     async def connect(self, sandbox: Sandbox, timeout: int | None) -> bool:
@@ -398,14 +392,14 @@ class Orchestrator:
 
     def _extend(self, sandbox: Sandbox, timeout: int) -> None:
         """Move the end time later, never earlier (connect and refreshes)."""
-        wanted = _now() + timedelta(seconds=timeout)
+        wanted = clock.now() + timedelta(seconds=timeout)
         if wanted > _parse(sandbox.record.end_at):
-            sandbox.record.end_at = _iso(wanted)
+            sandbox.record.end_at = rfc3339(wanted)
 
     async def set_timeout(self, sandbox: Sandbox, timeout: int) -> None:
         self._check_timeout(timeout)
         async with self._operation(sandbox, Op.EXTEND):
-            sandbox.record.end_at = _iso(_now() + timedelta(seconds=timeout))
+            sandbox.record.end_at = rfc3339(clock.now() + timedelta(seconds=timeout))
 
     async def refresh(self, sandbox: Sandbox, duration: int | None) -> None:
         async with self._operation(sandbox, Op.EXTEND):
@@ -464,15 +458,15 @@ class Orchestrator:
             return children
 
     def _child_record(self, source: SandboxRecord, ttl: int) -> SandboxRecord:
-        now = _now()
+        now = clock.now()
         return SandboxRecord(
             **{
                 **source.__dict__,
                 "sandbox_id": new_sandbox_id(),
                 "state": State.CREATING,
-                "created_at": _iso(now),
-                "started_at": _iso(now),
-                "end_at": _iso(now + timedelta(seconds=ttl)),
+                "created_at": rfc3339(now),
+                "started_at": rfc3339(now),
+                "end_at": rfc3339(now + timedelta(seconds=ttl)),
                 "timeout": ttl,
                 "envd_token": secrets.token_hex(32) if source.secure else None,
                 "traffic_token": secrets.token_hex(32) if source.traffic_token else None,
@@ -503,10 +497,10 @@ class Orchestrator:
         if sandbox.record.state != State.RUNNING or sandbox.vm is None:
             return []
         sample = await sandbox.vm.envd.metrics()
-        now = _now()
+        now = clock.now()
         return [
             {
-                "timestamp": _iso(now),
+                "timestamp": rfc3339(now),
                 "timestampUnix": int(now.timestamp()),
                 "cpuCount": sample.get("cpu_count", sandbox.record.cpu_count),
                 "cpuUsedPct": sample.get("cpu_used_pct", 0.0),
@@ -544,7 +538,7 @@ class Orchestrator:
 
     async def evict_expired(self) -> None:
         """Pause (autoPause) or kill every running sandbox whose end time has passed."""
-        now = _now()
+        now = clock.now()
         for sandbox in list(self.sandboxes.values()):
             record = sandbox.record
             if record.state != State.RUNNING or sandbox.lock.locked() or _parse(record.end_at) > now:
@@ -552,7 +546,7 @@ class Orchestrator:
             started = time.monotonic()
             try:
                 async with sandbox.lock:
-                    if record.state != State.RUNNING or _parse(record.end_at) > _now():
+                    if record.state != State.RUNNING or _parse(record.end_at) > clock.now():
                         continue
                     if record.auto_pause:
                         await self._pause_locked(sandbox)

@@ -13,8 +13,10 @@ import os
 import re
 import time
 from dataclasses import dataclass, field, fields
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
+
+from ..clock import rfc3339
 
 FORMAT_VERSION = 1
 
@@ -53,8 +55,8 @@ def new_snapshot_id() -> str:
 
 
 def utc_now() -> str:
-    """Current time as RFC 3339 UTC with milliseconds, e.g. ``2025-01-31T12:00:00.123Z``."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """Current time as manifests record it (RFC 3339 UTC, milliseconds)."""
+    return rfc3339()
 
 
 def parse_timestamp(value: str) -> datetime:

@@ -11,20 +11,20 @@ import base64
 import contextlib
 import http.client
 import json
-import struct
 import time
-from datetime import UTC, datetime
 from typing import Any
 
+from ..agent.envd import ENVD_PORT
+from ..agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
+from ..clock import rfc3339
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 
-ENVD_PORT = 49983
 INIT_RETRY_INTERVAL = 0.05
 
 
 def utc_timestamp() -> str:
-    """Now, as the RFC 3339 UTC timestamp envd's /init takes."""
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    """Now, as the RFC 3339 UTC timestamp envd's /init takes (microseconds)."""
+    return rfc3339(timespec="microseconds")
 
 
 class EnvdUnavailable(RuntimeError):
@@ -203,16 +203,14 @@ class EnvdLink:
     def _start(self, message: bytes, headers: dict[str, str], background: bool, timeout: float) -> int | None:
         conn = _GuestHTTPConnection(self.network, ENVD_PORT, timeout)
         try:
-            conn.request(
-                "POST", "/process.Process/Start", struct.pack(">BI", 0, len(message)) + message, headers
-            )
+            conn.request("POST", "/process.Process/Start", envelope(message), headers)
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"envd Start answered {response.status}: {response.read()[:200]!r}")
-            while header := response.read(5):
-                flags, size = struct.unpack(">BI", header)
+            while header := response.read(ENVELOPE_HEADER):
+                flags, size = envelope_header(header)
                 frame = json.loads(response.read(size) or b"{}")
-                if flags & 0x02:
+                if flags & FLAG_END_STREAM:
                     if "error" in frame:
                         raise RuntimeError(f"envd Start failed: {frame['error']}")
                     break

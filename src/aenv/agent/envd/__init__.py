@@ -7,4 +7,4 @@ imports, the standard library and aiohttp.
 # Reported to the SDK (via the control plane) as `envdVersion`. 0.6.4 is the highest version gate
 # the e2b 2.63 SDK checks; every feature gated at or below it is implemented here.
 ENVD_VERSION = "0.6.4"
-DEFAULT_PORT = 49983
+ENVD_PORT = 49983  # the one definition: the host's modules import it from here

@@ -17,7 +17,6 @@ import sys
 import time
 
 TOOLS = "/opt/aenv"
-ENVD_PORT = 49983
 GUEST_IP = "169.254.0.21/30"
 GATEWAY = "169.254.0.22"
 DEFAULT_HOSTNAME = "aenv"
@@ -213,9 +212,7 @@ class Envd:
         argv = [
             "/usr/bin/python3",
             "-m",
-            "aenv_envd",
-            "--port",
-            str(ENVD_PORT),
+            "aenv_envd",  # on its own port (aenv_envd.ENVD_PORT)
             "--host-peer",
             GATEWAY,
             "--state-file",
@@ -229,7 +226,7 @@ class Envd:
             return
         self.started = time.monotonic()
         protect_from_oom(self.pid)
-        log(f"envd started (pid {self.pid}, port {ENVD_PORT})")
+        log(f"envd started (pid {self.pid})")
 
     def exited(self, status: int | None) -> None:
         self.pid = 0

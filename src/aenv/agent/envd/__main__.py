@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import DEFAULT_PORT, ENVD_VERSION
+from . import ENVD_PORT, ENVD_VERSION
 from .server import serve
 from .state import State
 
@@ -18,7 +18,7 @@ from .state import State
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="envd", description=f"E2B-compatible envd {ENVD_VERSION}")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--port", type=int, default=ENVD_PORT)
     parser.add_argument("--default-user", default="user", help="user for requests that name none")
     parser.add_argument("--default-workdir", default=None, help="cwd for commands (default: user's home)")
     parser.add_argument(

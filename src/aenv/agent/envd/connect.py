@@ -87,8 +87,18 @@ def field(msg: Message | None, camel: str, snake: str | None = None, default: An
     return default
 
 
+ENVELOPE_HEADER = 5  # bytes: one flags byte, then the payload's length (big-endian uint32)
+
+
 def envelope(payload: bytes, flags: int = 0) -> bytes:
+    """One Connect streaming envelope (the host's envd clients frame requests with it too)."""
     return struct.pack(">BI", flags, len(payload)) + payload
+
+
+def envelope_header(header: bytes) -> tuple[int, int]:
+    """The flags and payload length of an envelope's header."""
+    flags, length = struct.unpack(">BI", header)
+    return flags, length
 
 
 def encode_message(msg: Message) -> bytes:
@@ -137,7 +147,7 @@ async def read_envelope(request: web.Request) -> Message | None:
         if not e.partial:
             return None
         raise ConnectError("invalid_argument", "truncated envelope header") from None
-    flags, length = struct.unpack(">BI", header)
+    flags, length = envelope_header(header)
     if length > MAX_MESSAGE_BYTES:
         raise ConnectError("resource_exhausted", "message too large")
     try:
