@@ -3,16 +3,110 @@
 Field names are the E2B wire names (camelCase, except `allow_internet_access`). Every field the
 official SDKs send is accepted, including those this node stores without acting on (`mcp`,
 `iam`, `volumeMounts`, `autoPauseMemory`), so SDK calls never fail on them.
+
+Every constraint is checked here and declared in the models' JSON schemas, so the OpenAPI
+document states what the node accepts. Bounds that are node settings (`max_timeout`,
+`max_fork_count`) come from the validation context (`limits`), and the OpenAPI document fills
+them in where the schemas carry the `LIMIT_KEY` marker.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+
+from ..config import Settings
 
 StrMap = dict[StrictStr, StrictStr]
+
+# JSON-schema marker naming the setting whose value is the field's `maximum` (see openapi.py).
+LIMIT_KEY = "x-aenv-maximum-setting"
+LIMITED_SETTINGS = ("max_timeout", "max_fork_count")
+
+
+def limits(settings: Settings) -> dict[str, int]:
+    """The validation context of a node with these settings: its values of the limited settings."""
+    return {name: getattr(settings, name) for name in LIMITED_SETTINGS}
+
+
+def _at_most(setting: str, unit: str) -> AfterValidator:
+    def check(value: int, info: ValidationInfo) -> int:
+        limit = (info.context or {}).get(setting, getattr(Settings, setting))
+        if value > limit:
+            raise ValueError(f"must be at most {limit}{unit} (this node's {setting})")
+        return value
+
+    return AfterValidator(check)
+
+
+Timeout = Annotated[
+    StrictInt,
+    Field(ge=0, description="seconds", json_schema_extra={LIMIT_KEY: "max_timeout"}),
+    _at_most("max_timeout", " seconds"),
+]
+ForkCount = Annotated[
+    StrictInt, Field(ge=1, json_schema_extra={LIMIT_KEY: "max_fork_count"}), _at_most("max_fork_count", "")
+]
+
+
+def _memory_kept(value: bool) -> bool:
+    if not value:
+        raise ValueError(
+            "only true is supported: pauses, snapshots and resumes always keep the sandbox's memory "
+            "(filesystem-only pauses and snapshots and cold boots are not supported)"
+        )
+    return value
+
+
+MemoryFlag = Annotated[
+    StrictBool,
+    AfterValidator(_memory_kept),
+    WithJsonSchema({"type": "boolean", "enum": [True], "description": "only true: memory is always kept"}),
+]
+
+# IPs and CIDRs, IPv4 or IPv6; domain names are not supported. The pattern declares the shape,
+# the validator checks the address.
+IP_OR_CIDR_PATTERN = r"^[0-9A-Fa-f.:]+(/[0-9]{1,3})?$"
+IpOrCidr = Annotated[
+    StrictStr,
+    Field(json_schema_extra={"pattern": IP_OR_CIDR_PATTERN, "description": "an IP address or CIDR"}),
+]
+
+# E2B's `namespace/name:tag` spelling of a snapshot name, lowercase. The node keeps `name` (it has
+# no namespaces, and every snapshot has the one tag `default`); `name` follows the repository's
+# alias rules.
+_NAME_PART = r"[a-z0-9][a-z0-9._-]{0,62}"
+SNAPSHOT_NAME_PATTERN = rf"^({_NAME_PART}/)?{_NAME_PART}(:{_NAME_PART})?$"
+
+
+def _snapshot_name(value: str) -> str:
+    if not re.fullmatch(SNAPSHOT_NAME_PATTERN, value):
+        raise ValueError(
+            f"invalid snapshot name {value!r}: use 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, optionally as namespace/name:tag"
+        )
+    return value
+
+
+SnapshotName = Annotated[
+    StrictStr,
+    AfterValidator(_snapshot_name),
+    WithJsonSchema({"type": "string", "pattern": SNAPSHOT_NAME_PATTERN, "maxLength": 128}),
+]
 
 
 class Body(BaseModel):
@@ -35,8 +129,8 @@ class AutoResume(Body):
 
 
 class NetworkConfig(Body):
-    allow_out: list[StrictStr] | None = Field(default=None, alias="allowOut")
-    deny_out: list[StrictStr] | None = Field(default=None, alias="denyOut")
+    allow_out: list[IpOrCidr] | None = Field(default=None, alias="allowOut")
+    deny_out: list[IpOrCidr] | None = Field(default=None, alias="denyOut")
     allow_public_traffic: StrictBool | None = Field(default=None, alias="allowPublicTraffic")
     mask_request_host: StrictStr | None = Field(default=None, alias="maskRequestHost")
     dns_servers: list[StrictStr] | None = Field(default=None, alias="dnsServers")
@@ -62,7 +156,7 @@ class NewSandbox(Body):
     """`POST /v2/sandboxes` and the legacy `POST /sandboxes` (which adds `secure`)."""
 
     template_id: StrictStr = Field(alias="templateID", min_length=1, max_length=256)
-    timeout: StrictInt | None = Field(default=None, ge=0)
+    timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
     auto_pause_memory: StrictBool | None = Field(default=None, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
@@ -77,18 +171,18 @@ class NewSandbox(Body):
 
 
 class ConnectSandbox(Body):
-    timeout: StrictInt | None = Field(default=None, ge=0)
-    memory: StrictBool | None = None
+    timeout: Timeout | None = None
+    memory: MemoryFlag | None = None
 
 
 class ResumeSandbox(Body):
-    timeout: StrictInt | None = Field(default=None, ge=0)
+    timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
-    memory: StrictBool | None = None
+    memory: MemoryFlag | None = None
 
 
 class TimeoutRequest(Body):
-    timeout: StrictInt = Field(ge=0)
+    timeout: Timeout
 
 
 class RefreshRequest(Body):
@@ -96,18 +190,18 @@ class RefreshRequest(Body):
 
 
 class PauseRequest(Body):
-    memory: StrictBool | None = None
+    memory: MemoryFlag | None = None
     require_healthy_guest: StrictBool | None = Field(default=None, alias="requireHealthyGuest")
 
 
 class SnapshotRequest(Body):
-    name: StrictStr | None = Field(default=None, pattern=r"^[A-Za-z0-9_/:.-]{1,128}$")
-    memory: StrictBool | None = None
+    name: SnapshotName | None = None
+    memory: MemoryFlag | None = None
 
 
 class ForkRequest(Body):
-    timeout: StrictInt | None = Field(default=None, ge=0)
-    count: StrictInt = Field(default=1, ge=1)
+    timeout: Timeout | None = None
+    count: ForkCount = 1
 
 
 class NetworkUpdate(NetworkConfig):

@@ -29,7 +29,7 @@ from ..orchestrator.store import api_state
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from . import openapi, schemas, views
-from .proxy import ProxyTarget, SandboxProxy
+from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
 MAX_BODY = 1 << 20
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
-NODE_KEY = web.AppKey("node", object)
+# The node's limits that request bodies are validated against (schemas.limits).
+LIMITS_KEY = web.AppKey("limits", dict)
 
 
 def error_response(status: int, message: str, error_code: str | None = None) -> web.Response:
@@ -59,7 +60,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         if exc.status == 404 and not exc.text:
             message = f"route not found: {request.method} {request.path}"
-        return error_response(exc.status, message or exc.reason)
+        response = error_response(exc.status, message or exc.reason)
+        if "Allow" in exc.headers:  # a 405 says which methods the route has
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, "internal error: see the node's log")
@@ -79,7 +83,8 @@ def auth_middleware(api_key: str) -> Callable[..., Any]:
 
 
 async def parse(request: web.Request, model: type[B], *, required: bool = True) -> B:
-    """The JSON body as `model`; 400 with the reason for malformed JSON, unknown fields, wrong types."""
+    """The JSON body as `model`, within the node's limits; 400 with the reason for malformed JSON
+    (also nested too deeply, or numbers too long to convert), unknown fields, wrong types."""
     raw = await request.read()
     if not raw.strip():
         if required:
@@ -87,10 +92,12 @@ async def parse(request: web.Request, model: type[B], *, required: bool = True) 
         return model()
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers over 4300 digits
         raise SandboxError(400, f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise SandboxError(400, "request body is not valid JSON: nested too deeply") from exc
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=request.app[LIMITS_KEY])
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
@@ -174,6 +181,7 @@ class NodeAPI:
         app = web.Application(
             middlewares=[errors, self.proxy.middleware(), auth_middleware(api_key)], client_max_size=MAX_BODY
         )
+        app[LIMITS_KEY] = schemas.limits(self.orchestrator.settings)
         self.proxy.setup(app)
         for method, path, handler in self.routes():
             app.router.add_route(method, path, handler)
@@ -214,19 +222,24 @@ class NodeAPI:
 
     # -- proxy resolver --------------------------------------------------------------------
 
-    async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
-        sandbox = await self.orchestrator.running_vm(sandbox_id, resume=resume)
-        if sandbox is None or sandbox.vm is None:
+    def proxy_access(self, sandbox_id: str) -> SandboxAccess | None:
+        """From the record alone: the proxy checks credentials before it wakes a paused sandbox."""
+        sandbox = self.orchestrator.sandboxes.get(sandbox_id)
+        if sandbox is None:
             return None
         record = sandbox.record
-        return ProxyTarget(
-            sandbox_id=record.sandbox_id,
-            network=sandbox.vm.guest.network,
+        return SandboxAccess(
             envd_access_token=record.envd_token,
             traffic_access_token=record.traffic_token,
             secure=record.secure,
             public_traffic=record.network.get("allowPublicTraffic") is not False,
         )
+
+    async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
+        sandbox = await self.orchestrator.running_vm(sandbox_id, resume=resume)
+        if sandbox is None or sandbox.vm is None:
+            return None
+        return ProxyTarget(sandbox_id=sandbox.id, network=sandbox.vm.guest.network)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -256,7 +269,7 @@ class NodeAPI:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi_document(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi.document(self.routes()))
+        return web.json_response(openapi.document(self.routes(), request.app[LIMITS_KEY]))
 
     # -- sandboxes -------------------------------------------------------------------------
 
@@ -330,16 +343,12 @@ class NodeAPI:
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = await parse(request, schemas.PauseRequest, required=False)
-        if body.memory is False:
-            raise SandboxError(400, "filesystem-only pause is not supported: pauses keep memory")
+        await parse(request, schemas.PauseRequest, required=False)
         await self.orchestrator.pause(self._sandbox(request))
         return web.Response(status=204)
 
     async def connect(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ConnectSandbox, required=False)
-        if body.memory is False:
-            raise SandboxError(400, "resuming without memory (cold boot) is not supported")
         sandbox = self._sandbox(request)
         resumed = await self.orchestrator.connect(sandbox, body.timeout)
         return self._created(sandbox, 201 if resumed else 200)
@@ -371,9 +380,7 @@ class NodeAPI:
 
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)
-        if body.memory is False:
-            raise SandboxError(400, "filesystem-only snapshots are not supported: snapshots keep memory")
-        name = catalog_name(body.name).lower() if body.name else None
+        name = catalog_name(body.name) if body.name else None
         manifest = await self.orchestrator.snapshot(self._sandbox(request), name)
         return web.json_response(views.snapshot_info(manifest), status=201)
 
@@ -434,13 +441,23 @@ class NodeAPI:
         return web.json_response(views.template_with_builds(manifest, ENVD_VERSION))
 
     async def delete_template(self, request: web.Request) -> web.Response:
-        """Deletes a template or snapshot; one still used by sandboxes goes when the last one does."""
+        """Deletes a snapshot; one still used by sandboxes goes when the last one does.
+
+        Templates are the node's own (it builds them, `base` at its first start, and keeps warm
+        guests of each): deleting one would break creates until a restart, so it is refused.
+        """
         manifest = self._manifest(request.match_info["templateID"])
-        await self.orchestrator.engine.pool.drain(manifest.id)
+        pool = self.orchestrator.engine.pool
+        if manifest.kind == "template" or pool.target(manifest.id) > 0:
+            name = manifest.alias or manifest.id
+            problem = "is built into this node (creates and its warm pool use it)"
+            raise SandboxError(409, f"template '{name}' {problem}: not deleted")
+        await pool.drain(manifest.id)
         try:
             self.orchestrator.engine.repository.delete(manifest.id, defer=True)
         except RepositoryError as exc:
             raise SandboxError(409, str(exc)) from exc
+        log.info("deleted %s %s (alias %s) at the API's request", manifest.kind, manifest.id, manifest.alias)
         return web.Response(status=204)
 
     async def template_alias(self, request: web.Request) -> web.Response:
