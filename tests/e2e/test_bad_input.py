@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -169,7 +170,7 @@ def test_snapshot_names(api: httpx.Client, sandboxes: Sandboxes, node: NodeServe
 
 def test_built_in_template_cannot_be_deleted(api: httpx.Client) -> None:
     for reference in ("base", "team/base:default", api.get("/templates/base").json()["templateID"]):
-        body = assert_client_error(api.delete(f"/templates/{reference}"), 409)
+        body = assert_client_error(api.delete(f"/templates/{quote(reference, safe='')}"), 409)  # as the SDK
         assert "built into this node" in body["message"]
     assert api.get("/templates/base").status_code == 200
     created = api.post("/v2/sandboxes", json={"templateID": "base"}, timeout=300)
