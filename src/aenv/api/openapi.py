@@ -21,7 +21,7 @@ Route = tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
 
 # Which request body each operation takes (by handler name), and its success status.
 BODIES: dict[str, type[BaseModel]] = {
-    "create_v1": schemas.NewSandbox,
+    "create_v1": schemas.NewSandboxV1,
     "create_v2": schemas.NewSandbox,
     "set_timeout": schemas.TimeoutRequest,
     "refresh": schemas.RefreshRequest,

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -53,14 +54,30 @@ def _at_most(setting: str, unit: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 30.0 is the integer 30 (JSON Schema's `integer` says so too)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integers, also when spelled 30.0; never strings or fractions. (Bounds go before the
+# BeforeValidator, so that they are declared in the JSON schema as minimum and maximum.)
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[StrictInt, INTEGRAL]
 Timeout = Annotated[
     StrictInt,
     Field(ge=0, description="seconds", json_schema_extra={LIMIT_KEY: "max_timeout"}),
+    INTEGRAL,
     _at_most("max_timeout", " seconds"),
 ]
 ForkCount = Annotated[
-    StrictInt, Field(ge=1, json_schema_extra={LIMIT_KEY: "max_fork_count"}), _at_most("max_fork_count", "")
+    StrictInt,
+    Field(ge=1, json_schema_extra={LIMIT_KEY: "max_fork_count"}),
+    INTEGRAL,
+    _at_most("max_fork_count", ""),
 ]
+RefreshDuration = Annotated[StrictInt, Field(ge=0, le=3600, description="seconds"), INTEGRAL]
 
 
 def _memory_kept(value: bool) -> bool:
@@ -78,9 +95,19 @@ MemoryFlag = Annotated[
     WithJsonSchema({"type": "boolean", "enum": [True], "description": "only true: memory is always kept"}),
 ]
 
-# IPs and CIDRs, IPv4 or IPv6; domain names are not supported. The pattern declares the shape,
-# the validator checks the address.
-IP_OR_CIDR_PATTERN = r"^[0-9A-Fa-f.:]+(/[0-9]{1,3})?$"
+# IPs and CIDRs, IPv4 or IPv6; domain names are not supported. The pattern declares what the
+# validator (Python's ipaddress) takes, in the forms clients write.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}(/(3[0-2]|[12]?[0-9]))?"
+_HEXTET = "[0-9A-Fa-f]{1,4}"
+_IPV6_FORMS = [
+    rf"({_HEXTET}:){{7}}{_HEXTET}",
+    rf"({_HEXTET}:){{1,7}}:",
+    *(rf"({_HEXTET}:){{1,{7 - n}}}(:{_HEXTET}){{1,{n}}}" for n in range(1, 7)),
+    rf":((:{_HEXTET}){{1,7}}|:)",
+]
+_IPV6 = f"({'|'.join(_IPV6_FORMS)})(/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))?"
+IP_OR_CIDR_PATTERN = f"^({_IPV4}|{_IPV6})$"
 IpOrCidr = Annotated[
     StrictStr,
     Field(json_schema_extra={"pattern": IP_OR_CIDR_PATTERN, "description": "an IP address or CIDR"}),
@@ -134,7 +161,7 @@ class NetworkConfig(Body):
     allow_public_traffic: StrictBool | None = Field(default=None, alias="allowPublicTraffic")
     mask_request_host: StrictStr | None = Field(default=None, alias="maskRequestHost")
     dns_servers: list[StrictStr] | None = Field(default=None, alias="dnsServers")
-    https_ports: list[StrictInt] | None = Field(default=None, alias="httpsPorts")
+    https_ports: list[Int] | None = Field(default=None, alias="httpsPorts")
     egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
     rules: dict[str, Any] | None = None
 
@@ -153,14 +180,13 @@ class NetworkConfig(Body):
 
 
 class NewSandbox(Body):
-    """`POST /v2/sandboxes` and the legacy `POST /sandboxes` (which adds `secure`)."""
+    """`POST /v2/sandboxes`: every v2 sandbox is secured, so it has no `secure` field."""
 
     template_id: StrictStr = Field(alias="templateID", min_length=1, max_length=256)
     timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
     auto_pause_memory: StrictBool | None = Field(default=None, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
-    secure: StrictBool | None = None
     allow_internet_access: StrictBool | None = None
     network: NetworkConfig | None = None
     metadata: StrMap | None = None
@@ -168,6 +194,12 @@ class NewSandbox(Body):
     mcp: dict[str, Any] | None = None
     iam: dict[str, Any] | None = None
     volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+
+
+class NewSandboxV1(NewSandbox):
+    """The legacy `POST /sandboxes`, where `secure: false` makes envd take no access token."""
+
+    secure: StrictBool | None = None
 
 
 class ConnectSandbox(Body):
@@ -186,7 +218,7 @@ class TimeoutRequest(Body):
 
 
 class RefreshRequest(Body):
-    duration: StrictInt | None = Field(default=None, ge=0, le=3600)
+    duration: RefreshDuration | None = None
 
 
 class PauseRequest(Body):

@@ -273,7 +273,7 @@ class NodeAPI:
 
     # -- sandboxes -------------------------------------------------------------------------
 
-    async def _create(self, body: schemas.NewSandbox, *, secure_default: bool) -> web.Response:
+    async def _create(self, body: schemas.NewSandbox, *, secure: bool) -> web.Response:
         network = body.network.wire() if body.network else {}
         if body.allow_internet_access is False and "denyOut" not in network:
             network["denyOut"] = ["0.0.0.0/0"]
@@ -282,7 +282,7 @@ class NodeAPI:
             timeout=self.orchestrator.settings.default_timeout if body.timeout is None else body.timeout,
             auto_pause=bool(body.auto_pause),
             auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-            secure=secure_default if body.secure is None else body.secure,
+            secure=secure,
             allow_internet=body.allow_internet_access,
             network=network,
             metadata=dict(body.metadata or {}),
@@ -291,13 +291,11 @@ class NodeAPI:
         return self._created(await self.orchestrator.create(request))
 
     async def create_v1(self, request: web.Request) -> web.Response:
-        return await self._create(await parse(request, schemas.NewSandbox), secure_default=False)
+        body = await parse(request, schemas.NewSandboxV1)
+        return await self._create(body, secure=bool(body.secure))
 
     async def create_v2(self, request: web.Request) -> web.Response:
-        body = await parse(request, schemas.NewSandbox)
-        if body.secure is not None:
-            raise SandboxError(400, "secure is not a field of /v2/sandboxes: every v2 sandbox is secured")
-        return await self._create(body, secure_default=True)
+        return await self._create(await parse(request, schemas.NewSandbox), secure=True)
 
     def _filtered(self, request: web.Request) -> list[Sandbox]:
         wanted = metadata_filter(request.query.get("metadata"))
