@@ -448,8 +448,8 @@ class NodeAPI:
         pool = self.orchestrator.engine.pool
         if manifest.kind == "template" or pool.target(manifest.id) > 0:
             name = manifest.alias or manifest.id
-            problem = "is built into this node (creates and its warm pool use it)"
-            raise SandboxError(409, f"template '{name}' {problem}: not deleted")
+            problem = "is built into this node: creates and a warm pool use it, so it cannot be deleted"
+            raise SandboxError(409, f"'{name}' {problem}")
         await pool.drain(manifest.id)
         try:
             self.orchestrator.engine.repository.delete(manifest.id, defer=True)
