@@ -139,8 +139,8 @@ class SandboxManager:
         return GuestInit(access_token=token)
 
     async def _expose(self, vm, token: str) -> RunningSandbox:
+        from aenv.agent.envd import ENVD_PORT
         from aenv.network.forward import forward_port
-        from aenv.vmm.envd_link import ENVD_PORT
 
         server = await forward_port(vm.guest.network, ENVD_PORT)
         port = server.sockets[0].getsockname()[1]

@@ -21,11 +21,13 @@ from pathlib import Path
 from aiohttp import web
 
 from . import __version__
+from .api import schemas
+from .api.runner import APIRunner
 from .api.server import NodeAPI
 from .config import Settings, load_settings
 from .guest.artifacts import ensure_guest_artifacts
 from .network.pool import NetworkPool
-from .network.slots import SlotAllocator
+from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
 from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
 from .orchestrator.service import Orchestrator
@@ -77,10 +79,14 @@ class Node:
         self.orchestrator: Orchestrator | None = None
         self.housekeeper: Housekeeper | None = None
         self.api: NodeAPI | None = None
+        self.slot_lock = SlotRangeLock(settings.slot_first, settings.slot_count)
 
     async def start(self) -> None:
         settings = self.settings
         started = time.monotonic()
+        # First: starting cleans up the namespaces and uplinks of this range, which another live
+        # node on the host with the same slots would lose.
+        self.slot_lock.acquire()
         home = settings.home_path
         home.mkdir(parents=True, exist_ok=True)
         choice = choose_accelerator(settings.accel)
@@ -111,11 +117,11 @@ class Node:
         for manifest in repository.list("template"):
             await engine.pool.set_target(manifest.id, settings.warm_pool_size)
         service = LocalNode(self.orchestrator, self.housekeeper, node_id(home))
-        self.api = NodeAPI(service, domain=self._domain())
+        self.api = NodeAPI(service, domain=self._domain(), limits=schemas.limits(settings))
         self.orchestrator.on_stopped = self.api.proxy.release
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
-        self.runner = web.AppRunner(
+        self.runner = APIRunner(
             self.api.app(key), access_log=None, handle_signals=False, auto_decompress=False
         )
         await self.runner.setup()
@@ -157,6 +163,7 @@ class Node:
             await self.orchestrator.close()
         if self.networks is not None:
             await self.networks.close()
+        self.slot_lock.release()
         log.info("node stopped")
 
 
@@ -192,4 +199,8 @@ def main() -> None:
     )
     logging.getLogger("qemu.qmp").setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(settings))
+        try:
+            asyncio.run(serve(settings))
+        except SlotRangeBusy as exc:
+            log.error("not starting: %s", exc)
+            raise SystemExit(1) from None

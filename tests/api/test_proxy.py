@@ -12,15 +12,15 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import pytest
 from aiohttp import ClientSession, WSMsgType, web
 
-from aenv.api.proxy import ProxyTarget, SandboxProxy
-from aenv.vmm.envd_link import ENVD_PORT
+from aenv.agent.envd import ENVD_PORT
+from aenv.api.proxy import ProxyTarget, SandboxAccess, SandboxProxy
 from tests.conftest import NodeLoop, RunningSandbox, SandboxManager, wait_for
 
 pytestmark = pytest.mark.vm
@@ -104,20 +104,23 @@ class FakeResolver:
 
     def __init__(self) -> None:
         self.targets: dict[str, ProxyTarget] = {}
+        self.access: dict[str, SandboxAccess] = {}
+
+    async def proxy_access(self, sandbox_id: str) -> SandboxAccess | None:
+        return self.access.get(sandbox_id)
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
         return self.targets.get(sandbox_id)
 
-    def add(self, sandbox: RunningSandbox, **overrides: Any) -> ProxyTarget:
-        target = ProxyTarget(
-            sandbox_id=sandbox.sandbox_id, network=sandbox.vm.guest.network,
-            envd_access_token=sandbox.access_token, traffic_access_token=None,
-            secure=True, public_traffic=True,
-        )  # fmt: skip
-        for name, value in overrides.items():
-            setattr(target, name, value)
-        self.targets[sandbox.sandbox_id] = target
-        return target
+    def add(self, sandbox: RunningSandbox) -> None:
+        self.targets[sandbox.sandbox_id] = ProxyTarget(sandbox.sandbox_id, sandbox.vm.guest.network)
+        self.access[sandbox.sandbox_id] = SandboxAccess(
+            sandbox.access_token, traffic_access_token=None, secure=True, public_traffic=True
+        )
+
+    def remove(self, sandbox_id: str) -> None:
+        self.targets.pop(sandbox_id, None)
+        self.access.pop(sandbox_id, None)
 
 
 @dataclass
@@ -216,6 +219,7 @@ def guest(engine, base_template, node_loop: NodeLoop, proxy_server: ProxyServer)
             handle.kill()
     finally:
         proxy_server.resolver.targets.clear()
+        proxy_server.resolver.access.clear()
         manager.close()
 
 
@@ -434,8 +438,10 @@ def test_access_tokens(guest: Guest, proxy_server: ProxyServer):
         assert r.status_code == 401
         assert client.get("/health", headers=envd).status_code == 204  # envd's unauthenticated path
 
-        target = proxy_server.resolver.targets[guest.id]
-        target.public_traffic, target.traffic_access_token = False, TRAFFIC_TOKEN
+        access = proxy_server.resolver.access[guest.id]
+        proxy_server.resolver.access[guest.id] = replace(
+            access, public_traffic=False, traffic_access_token=TRAFFIC_TOKEN
+        )
         try:
             host = {"Host": host_of(HTTP_PORT, guest.id)}
             r = client.get("/hello.txt", headers=host)
@@ -446,7 +452,7 @@ def test_access_tokens(guest: Guest, proxy_server: ProxyServer):
             assert r.status_code == 200
             assert guest.sdk.commands.run("true").exit_code == 0  # the envd port needs no traffic token
         finally:
-            target.public_traffic, target.traffic_access_token = True, None
+            proxy_server.resolver.access[guest.id] = access
 
 
 def test_latency_direct_vs_proxy(guest: Guest, proxy_server: ProxyServer):
@@ -518,7 +524,7 @@ def test_release_ends_in_flight_streams(
             thread.start()
         wait_for(lambda: outcome.get("events", 0) > 3, timeout=20)
 
-        del proxy_server.resolver.targets[sandbox.sandbox_id]
+        proxy_server.resolver.remove(sandbox.sandbox_id)
         sandboxes.kill(sandbox.sandbox_id)
         started = time.monotonic()
         node_loop.loop.call_soon_threadsafe(proxy_server.proxy.release, sandbox.sandbox_id)
@@ -530,7 +536,7 @@ def test_release_ends_in_flight_streams(
         print(f"\nstreams ended {time.monotonic() - started:.2f} s after the kill: {outcome}")
         assert sdk.is_running() is False
     finally:
-        proxy_server.resolver.targets.pop(sandbox.sandbox_id, None)
+        proxy_server.resolver.remove(sandbox.sandbox_id)
 
 
 @pytest.fixture(autouse=True)

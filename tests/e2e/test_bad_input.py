@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -13,6 +15,9 @@ from .conftest import NodeServer, Sandboxes
 pytestmark = pytest.mark.vm
 
 UNKNOWN = "inotasandbox0000000000"
+# Values past what the node takes: beyond the 24 h cap, past 64 bits, and too long to convert.
+HUGE_TIMEOUTS = [b"86401", b"2147483648", b"1" + b"0" * 30, b"9" * 5000]
+DEEP = b"[" * 100_000
 
 
 @pytest.fixture
@@ -66,6 +71,10 @@ def post_raw(api: httpx.Client, path: str, content: bytes | str) -> httpx.Respon
         b'{"templateID": "base", "secure": "false"}',
         b'{"templateID": "' + b"x" * 300 + b'"}',
         b"",
+        *(b'{"templateID": "base", "timeout": ' + t + b"}" for t in HUGE_TIMEOUTS),
+        DEEP,
+        b'{"templateID": "base", "metadata": ' + DEEP,
+        b'{"templateID": "base", "mcp": ' + b'{"a": ' * 50_000,
     ],
 )
 def test_create_rejects_bad_bodies(api: httpx.Client, body: bytes) -> None:
@@ -117,9 +126,18 @@ def test_bad_bodies_for_a_running_sandbox(api: httpx.Client, sandboxes: Sandboxe
         ("POST", "pause", b'{"memory": "no"}'),
         ("POST", "pause", b"[1]"),
         ("POST", "connect", b'{"timeout": "x"}'),
+        ("POST", "connect", b'{"memory": false}'),
+        ("POST", "connect", DEEP),
+        *(("POST", "connect", b'{"timeout": ' + t + b"}") for t in HUGE_TIMEOUTS),
+        *(("POST", "fork", b'{"timeout": ' + t + b"}") for t in HUGE_TIMEOUTS),
+        *(("POST", "timeout", b'{"timeout": ' + t + b"}") for t in HUGE_TIMEOUTS),
+        ("POST", "pause", b'{"memory": false}'),
         ("POST", "snapshots", b'{"name": "bad name with spaces"}'),
         ("POST", "snapshots", b'{"name": 7}'),
+        ("POST", "snapshots", b'{"name": "Upper/Case:1.0"}'),
+        ("POST", "snapshots", b'{"memory": false}'),
         ("POST", "fork", b'{"count": 0}'),
+        ("POST", "fork", b'{"count": 17}'),
         ("POST", "fork", b'{"count": 1000}'),
         ("POST", "fork", b'{"count": "2"}'),
         ("PUT", "network", b'{"allowOut": "nope"}'),
@@ -129,8 +147,35 @@ def test_bad_bodies_for_a_running_sandbox(api: httpx.Client, sandboxes: Sandboxe
     for method, action, body in calls:
         json_type = {"Content-Type": "application/json"}
         response = api.request(method, f"/sandboxes/{sandbox_id}/{action}", content=body, headers=json_type)
-        assert_client_error(response)
-    assert api.get(f"/sandboxes/{sandbox_id}").json()["state"] == "running"
+        assert_client_error(response, 400)
+    sandbox = api.get(f"/sandboxes/{sandbox_id}").json()
+    assert sandbox["state"] == "running"
+    assert sandbox["endAt"] < "2030", sandbox["endAt"]  # no refused timeout was applied
+
+
+def test_snapshot_names(api: httpx.Client, sandboxes: Sandboxes, node: NodeServer) -> None:
+    """E2B's `namespace/name:tag` spelling is taken (the node keeps the name); other names are refused,
+    not rewritten; deleting a snapshot is logged."""
+    sandbox_id = sandboxes.create().sandbox_id
+    for name in ("Upper/Case:1.0", "UPPER", "a/b/c"):
+        response = api.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": name})
+        assert "invalid snapshot name" in assert_client_error(response, 400)["message"]
+    response = api.post(f"/sandboxes/{sandbox_id}/snapshots", json={"name": "team/e2e-names:v1"}, timeout=300)
+    assert response.status_code == 201, response.text
+    snapshot = response.json()
+    assert snapshot["names"] == ["e2e-names"]
+    assert api.delete("/templates/e2e-names").status_code == 204
+    assert f"deleted snapshot {snapshot['snapshotID']}" in node.log_tail(200)
+
+
+def test_built_in_template_cannot_be_deleted(api: httpx.Client) -> None:
+    for reference in ("base", "team/base:default", api.get("/templates/base").json()["templateID"]):
+        body = assert_client_error(api.delete(f"/templates/{quote(reference, safe='')}"), 409)  # as the SDK
+        assert "built into this node" in body["message"]
+    assert api.get("/templates/base").status_code == 200
+    created = api.post("/v2/sandboxes", json={"templateID": "base"}, timeout=300)
+    assert created.status_code == 201, created.text
+    assert api.delete(f"/sandboxes/{created.json()['sandboxID']}").status_code == 204
 
 
 @pytest.mark.parametrize(
@@ -181,13 +226,55 @@ def test_authentication(node: NodeServer) -> None:
 
 def test_unknown_routes_and_methods(api: httpx.Client) -> None:
     assert_client_error(api.get("/no/such/route"), 404)
-    assert_client_error(api.request("PATCH", "/v2/sandboxes"), 404, 405)
-    assert_client_error(api.delete("/v2/sandboxes"), 404, 405)
-    assert_client_error(api.put("/sandboxes"), 404, 405)
+    for method, path in (("PATCH", "/v2/sandboxes"), ("DELETE", "/v2/sandboxes"), ("PUT", "/sandboxes")):
+        response = api.request(method, path)
+        assert_client_error(response, 405)
+        assert set(response.headers["Allow"].split(",")) == {"GET", "POST"}, response.headers
+
+
+def raw_request(node: NodeServer, request: bytes) -> tuple[int, str, bytes]:
+    """Send bytes that httpx would refuse to; the status, content type and body of the answer."""
+    with socket.create_connection(("127.0.0.1", node.port), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):  # the node closes the connection after such an error
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers.get("content-type", ""), body
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /v2/sandboxes/" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /v2/sandboxes HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 20_000 + b"\r\n\r\n",
+        b"GET /\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/7.0\r\n\r\n",
+        b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n",
+    ],
+)
+def test_unparseable_requests(node: NodeServer, request_bytes: bytes) -> None:
+    status, content_type, body = raw_request(node, request_bytes)
+    assert status == 400 and content_type.startswith("application/json"), (status, content_type, body[:200])
+    error = json.loads(body)
+    assert error["code"] == 400 and error["message"]
+
+
+def test_openapi_declares_constraints(api: httpx.Client) -> None:
+    document = api.get("/openapi.json").json()
+    ids = [op["operationId"] for ops in document["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids))
+    connect = document["components"]["schemas"]["ConnectSandbox"]["properties"]
+    timeout = next(b for b in connect["timeout"]["anyOf"] if b.get("type") == "integer")
+    assert timeout["maximum"] == 24 * 3600
+    assert {"enum": [True]}.items() <= next(b for b in connect["memory"]["anyOf"] if "enum" in b).items()
 
 
 def test_node_still_healthy(node: NodeServer, api: httpx.Client) -> None:
     """Runs last in this module: after all of the above the node is up and serving."""
     assert node.healthy() and node.alive()
     assert api.get("/v2/sandboxes").status_code == 200
-    assert "Traceback" not in node.log_tail(400)
+    log = node.log_tail(400)
+    assert "Traceback" not in log and " ERROR " not in log

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import secrets
 
+from aenv.agent.envd import ENVD_PORT
 from aenv.network.forward import forward_port
-from aenv.vmm.envd_link import ENVD_PORT
 from aenv.vmm.launcher import boot_base_guest
 
 

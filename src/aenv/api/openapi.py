@@ -1,8 +1,13 @@
-"""The API's OpenAPI document, assembled from the route table and the request models."""
+"""The API's OpenAPI document, assembled from the route table and the request models.
+
+OpenAPI 3.1, whose schemas are JSON Schema 2020-12: what pydantic generates for the request
+models, `null` for optional fields included.
+"""
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,7 +21,7 @@ Route = tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
 
 # Which request body each operation takes (by handler name), and its success status.
 BODIES: dict[str, type[BaseModel]] = {
-    "create_v1": schemas.NewSandbox,
+    "create_v1": schemas.NewSandboxV1,
     "create_v2": schemas.NewSandbox,
     "set_timeout": schemas.TimeoutRequest,
     "refresh": schemas.RefreshRequest,
@@ -49,11 +54,14 @@ ERROR_SCHEMA = {
 }
 
 
-def _operation(method: str, handler: Callable[..., Any]) -> dict[str, Any]:
+def _operation(method: str, path: str, handler: Callable[..., Any], shared: bool) -> dict[str, Any]:
     name = handler.__name__
     doc = (handler.__doc__ or name.replace("_", " ")).strip().splitlines()[0]
+    operation_id = f"{method.lower()}_{name}"
+    if shared:  # one handler behind several paths (E2B's v1 and v2 spellings): ids stay unique
+        operation_id += "_v2" if path.startswith("/v2/") else "_v1"
     operation: dict[str, Any] = {
-        "operationId": f"{method.lower()}_{name}",
+        "operationId": operation_id,
         "summary": doc,
         "responses": {
             SUCCESS.get(name, "200"): {"description": "success"},
@@ -72,10 +80,24 @@ def _operation(method: str, handler: Callable[..., Any]) -> dict[str, Any]:
     return operation
 
 
-def document(routes: list[Route]) -> dict[str, Any]:
+def _fill_limits(node: Any, limits: dict[str, int]) -> None:
+    """Replace each `LIMIT_KEY` marker in the schemas by `maximum`: the node's value of that setting."""
+    if isinstance(node, dict):
+        if (setting := node.pop(schemas.LIMIT_KEY, None)) is not None:
+            node["maximum"] = limits[setting]
+        for value in node.values():
+            _fill_limits(value, limits)
+    elif isinstance(node, list):
+        for value in node:
+            _fill_limits(value, limits)
+
+
+def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
+    """The document for these routes, with the bounds of this node's `limits` (schemas.limits)."""
     paths: dict[str, dict[str, Any]] = {}
+    uses = Counter((method, handler.__name__) for method, _, handler in routes)
     for method, path, handler in routes:
-        operation = _operation(method, handler)
+        operation = _operation(method, path, handler, uses[method, handler.__name__] > 1)
         parameters = [
             {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
             for p in re.findall(r"{(\w+)}", path)
@@ -90,8 +112,9 @@ def document(routes: list[Route]) -> dict[str, Any]:
         schema = model.model_json_schema(by_alias=True, ref_template="#/components/schemas/{model}")
         components.update(schema.pop("$defs", {}))
         components[model.__name__] = schema
+    _fill_limits(components, limits)
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "aenv node API (E2B-compatible)", "version": __version__},
         "paths": paths,
         "components": {

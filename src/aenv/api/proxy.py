@@ -29,9 +29,9 @@ from urllib.parse import unquote
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ..agent.envd import ENVD_PORT
 from ..network.forward import open_guest_connection
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
-from ..vmm.envd_link import ENVD_PORT
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,19 @@ INTERNAL_ROUTE = (
 ENVD_UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 
 
+@dataclass(frozen=True)
+class SandboxAccess:
+    """Who may reach a sandbox's ports: known whether it runs or not, so checked before waking it."""
+
+    envd_access_token: str | None
+    traffic_access_token: str | None
+    secure: bool
+    public_traffic: bool
+
+
 @dataclass
 class ProxyTarget:
-    """What the proxy needs to know about a running sandbox.
+    """Where a running sandbox's traffic goes.
 
     `network` must be the live namespace object of the sandbox's current VM: pooled connections are
     kept per object, so a resumed sandbox (new namespace, same name) never gets a stale connection.
@@ -91,14 +101,14 @@ class ProxyTarget:
 
     sandbox_id: str
     network: SandboxNetwork
-    envd_access_token: str | None
-    traffic_access_token: str | None
-    secure: bool
-    public_traffic: bool
 
 
 class SandboxResolver(Protocol):
-    """Implemented by the node server: maps a sandbox ID to where its traffic goes."""
+    """Implemented by the node server: maps a sandbox ID to its credentials and where its traffic goes."""
+
+    async def proxy_access(self, sandbox_id: str) -> SandboxAccess | None:
+        """The credentials of a known sandbox, running or paused, without waking it; None if unknown."""
+        ...
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
         """The running sandbox, or None if unknown, killed, or paused and not auto-resumed.
@@ -455,10 +465,10 @@ class SandboxProxy:
 
     # serving
 
-    def _denied(self, request: web.Request, route: ProxyRoute, target: ProxyTarget) -> web.Response | None:
+    def _denied(self, request: web.Request, route: ProxyRoute, access: SandboxAccess) -> web.Response | None:
         if route.port == ENVD_PORT:
-            token = target.envd_access_token
-            if not target.secure or not token or request.method == "OPTIONS":
+            token = access.envd_access_token
+            if not access.secure or not token or request.method == "OPTIONS":
                 return None
             if (request.method, route.path) in _ENVD_TOKEN_EXEMPT:
                 return None
@@ -466,13 +476,13 @@ class SandboxProxy:
             if hmac.compare_digest(sent.encode(), token.encode()):
                 return None
             return _json_response(401, {"code": 401, "message": ENVD_UNAUTHORIZED})
-        if target.public_traffic:
+        if access.public_traffic:
             return None
         sent = request.headers.get(TRAFFIC_TOKEN_HEADER)
         if sent is None:
             problem = f"Token header '{TRAFFIC_TOKEN_HEADER}' is missing"
-        elif target.traffic_access_token and hmac.compare_digest(
-            sent.encode(), target.traffic_access_token.encode()
+        elif access.traffic_access_token and hmac.compare_digest(
+            sent.encode(), access.traffic_access_token.encode()
         ):
             return None
         else:
@@ -481,9 +491,19 @@ class SandboxProxy:
         return _sandbox_error(403, route.sandbox_id, message)
 
     async def serve(self, request: web.Request, route: ProxyRoute) -> web.StreamResponse:
-        """Forward one classified request to its sandbox port and relay the answer."""
+        """Forward one classified request to its sandbox port and relay the answer.
+
+        Credentials are checked before the sandbox is resolved: a request that is refused must not
+        wake a paused sandbox with auto-resume.
+        """
         if route.port == ENVD_PORT and route.path in ENVD_INTERNAL_PATHS:
             return _json_response(404, {"message": INTERNAL_ROUTE, "path": route.path, "code": 404})
+        access = await self._resolver.proxy_access(route.sandbox_id)
+        if access is None:
+            self.release(route.sandbox_id)
+            return _sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
+        if (denied := self._denied(request, route, access)) is not None:
+            return denied
         try:
             target = await self._resolver.proxy_target(route.sandbox_id, resume=True)
         except TimeoutError:
@@ -494,8 +514,6 @@ class SandboxProxy:
         if target is None:
             self.release(route.sandbox_id)
             return _sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
-        if (denied := self._denied(request, route, target)) is not None:
-            return denied
         pool = self._pool(target)
         try:
             if _is_upgrade(request):

@@ -3,16 +3,137 @@
 Field names are the E2B wire names (camelCase, except `allow_internet_access`). Every field the
 official SDKs send is accepted, including those this node stores without acting on (`mcp`,
 `iam`, `volumeMounts`, `autoPauseMemory`), so SDK calls never fail on them.
+
+Every constraint is checked here and declared in the models' JSON schemas, so the OpenAPI
+document states what the node accepts. Bounds that are node settings (`max_timeout`,
+`max_fork_count`) come from the validation context (`limits`), and the OpenAPI document fills
+them in where the schemas carry the `LIMIT_KEY` marker.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+
+from ..config import Settings
 
 StrMap = dict[StrictStr, StrictStr]
+
+# JSON-schema marker naming the setting whose value is the field's `maximum` (see openapi.py).
+LIMIT_KEY = "x-aenv-maximum-setting"
+LIMITED_SETTINGS = ("max_timeout", "max_fork_count")
+
+
+def limits(settings: Settings) -> dict[str, int]:
+    """The validation context of a node with these settings: its values of the limited settings."""
+    return {name: getattr(settings, name) for name in LIMITED_SETTINGS}
+
+
+def _at_most(setting: str, unit: str) -> AfterValidator:
+    def check(value: int, info: ValidationInfo) -> int:
+        limit = (info.context or {}).get(setting, getattr(Settings, setting))
+        if value > limit:
+            raise ValueError(f"must be at most {limit}{unit} (this node's {setting})")
+        return value
+
+    return AfterValidator(check)
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 30.0 is the integer 30 (JSON Schema's `integer` says so too)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integers, also when spelled 30.0; never strings or fractions. (Bounds go before the
+# BeforeValidator, so that they are declared in the JSON schema as minimum and maximum.)
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[StrictInt, INTEGRAL]
+Timeout = Annotated[
+    StrictInt,
+    Field(ge=0, description="seconds", json_schema_extra={LIMIT_KEY: "max_timeout"}),
+    INTEGRAL,
+    _at_most("max_timeout", " seconds"),
+]
+ForkCount = Annotated[
+    StrictInt,
+    Field(ge=1, json_schema_extra={LIMIT_KEY: "max_fork_count"}),
+    INTEGRAL,
+    _at_most("max_fork_count", ""),
+]
+RefreshDuration = Annotated[StrictInt, Field(ge=0, le=3600, description="seconds"), INTEGRAL]
+
+
+def _memory_kept(value: bool) -> bool:
+    if not value:
+        raise ValueError(
+            "only true is supported: pauses, snapshots and resumes always keep the sandbox's memory "
+            "(filesystem-only pauses and snapshots and cold boots are not supported)"
+        )
+    return value
+
+
+MemoryFlag = Annotated[
+    StrictBool,
+    AfterValidator(_memory_kept),
+    WithJsonSchema({"type": "boolean", "enum": [True], "description": "only true: memory is always kept"}),
+]
+
+# IPs and CIDRs, IPv4 or IPv6; domain names are not supported. The pattern declares what the
+# validator (Python's ipaddress) takes, in the forms clients write.
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}(/(3[0-2]|[12]?[0-9]))?"
+_HEXTET = "[0-9A-Fa-f]{1,4}"
+_IPV6_FORMS = [
+    rf"({_HEXTET}:){{7}}{_HEXTET}",
+    rf"({_HEXTET}:){{1,7}}:",
+    *(rf"({_HEXTET}:){{1,{7 - n}}}(:{_HEXTET}){{1,{n}}}" for n in range(1, 7)),
+    rf":((:{_HEXTET}){{1,7}}|:)",
+]
+_IPV6 = f"({'|'.join(_IPV6_FORMS)})(/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))?"
+IP_OR_CIDR_PATTERN = f"^({_IPV4}|{_IPV6})$"
+IpOrCidr = Annotated[
+    StrictStr,
+    Field(json_schema_extra={"pattern": IP_OR_CIDR_PATTERN, "description": "an IP address or CIDR"}),
+]
+
+# E2B's `namespace/name:tag` spelling of a snapshot name, lowercase. The node keeps `name` (it has
+# no namespaces, and every snapshot has the one tag `default`); `name` follows the repository's
+# alias rules.
+_NAME_PART = r"[a-z0-9][a-z0-9._-]{0,62}"
+SNAPSHOT_NAME_PATTERN = rf"^({_NAME_PART}/)?{_NAME_PART}(:{_NAME_PART})?$"
+
+
+def _snapshot_name(value: str) -> str:
+    if not re.fullmatch(SNAPSHOT_NAME_PATTERN, value):
+        raise ValueError(
+            f"invalid snapshot name {value!r}: use 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, optionally as namespace/name:tag"
+        )
+    return value
+
+
+SnapshotName = Annotated[
+    StrictStr,
+    AfterValidator(_snapshot_name),
+    WithJsonSchema({"type": "string", "pattern": SNAPSHOT_NAME_PATTERN, "maxLength": 128}),
+]
 
 
 class Body(BaseModel):
@@ -35,12 +156,12 @@ class AutoResume(Body):
 
 
 class NetworkConfig(Body):
-    allow_out: list[StrictStr] | None = Field(default=None, alias="allowOut")
-    deny_out: list[StrictStr] | None = Field(default=None, alias="denyOut")
+    allow_out: list[IpOrCidr] | None = Field(default=None, alias="allowOut")
+    deny_out: list[IpOrCidr] | None = Field(default=None, alias="denyOut")
     allow_public_traffic: StrictBool | None = Field(default=None, alias="allowPublicTraffic")
     mask_request_host: StrictStr | None = Field(default=None, alias="maskRequestHost")
     dns_servers: list[StrictStr] | None = Field(default=None, alias="dnsServers")
-    https_ports: list[StrictInt] | None = Field(default=None, alias="httpsPorts")
+    https_ports: list[Int] | None = Field(default=None, alias="httpsPorts")
     egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
     rules: dict[str, Any] | None = None
 
@@ -59,14 +180,13 @@ class NetworkConfig(Body):
 
 
 class NewSandbox(Body):
-    """`POST /v2/sandboxes` and the legacy `POST /sandboxes` (which adds `secure`)."""
+    """`POST /v2/sandboxes`: every v2 sandbox is secured, so it has no `secure` field."""
 
     template_id: StrictStr = Field(alias="templateID", min_length=1, max_length=256)
-    timeout: StrictInt | None = Field(default=None, ge=0)
+    timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
     auto_pause_memory: StrictBool | None = Field(default=None, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
-    secure: StrictBool | None = None
     allow_internet_access: StrictBool | None = None
     network: NetworkConfig | None = None
     metadata: StrMap | None = None
@@ -76,38 +196,44 @@ class NewSandbox(Body):
     volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
 
 
+class NewSandboxV1(NewSandbox):
+    """The legacy `POST /sandboxes`, where `secure: false` makes envd take no access token."""
+
+    secure: StrictBool | None = None
+
+
 class ConnectSandbox(Body):
-    timeout: StrictInt | None = Field(default=None, ge=0)
-    memory: StrictBool | None = None
+    timeout: Timeout | None = None
+    memory: MemoryFlag | None = None
 
 
 class ResumeSandbox(Body):
-    timeout: StrictInt | None = Field(default=None, ge=0)
+    timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
-    memory: StrictBool | None = None
+    memory: MemoryFlag | None = None
 
 
 class TimeoutRequest(Body):
-    timeout: StrictInt = Field(ge=0)
+    timeout: Timeout
 
 
 class RefreshRequest(Body):
-    duration: StrictInt | None = Field(default=None, ge=0, le=3600)
+    duration: RefreshDuration | None = None
 
 
 class PauseRequest(Body):
-    memory: StrictBool | None = None
+    memory: MemoryFlag | None = None
     require_healthy_guest: StrictBool | None = Field(default=None, alias="requireHealthyGuest")
 
 
 class SnapshotRequest(Body):
-    name: StrictStr | None = Field(default=None, pattern=r"^[A-Za-z0-9_/:.-]{1,128}$")
-    memory: StrictBool | None = None
+    name: SnapshotName | None = None
+    memory: MemoryFlag | None = None
 
 
 class ForkRequest(Body):
-    timeout: StrictInt | None = Field(default=None, ge=0)
-    count: StrictInt = Field(default=1, ge=1)
+    timeout: Timeout | None = None
+    count: ForkCount = 1
 
 
 class NetworkUpdate(NetworkConfig):

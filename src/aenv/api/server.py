@@ -38,7 +38,7 @@ from ..orchestrator.interface import CreateRequest, ListQuery, NodeService
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
 from . import openapi, schemas, views
-from .proxy import ProxyTarget, SandboxProxy
+from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
 MAX_BODY = 1 << 20
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
+# The node's limits that request bodies are validated against (schemas.limits).
+LIMITS_KEY = web.AppKey("limits", dict)
 # The one place where kinds of failure become HTTP statuses.
 STATUS: dict[type[SandboxError], int] = {
     InvalidRequest: 400,
@@ -89,7 +91,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         if exc.status == 404 and not exc.text:
             message = f"route not found: {request.method} {request.path}"
-        return error_response(exc.status, message or exc.reason)
+        response = error_response(exc.status, message or exc.reason)
+        if "Allow" in exc.headers:  # a 405 says which methods the route has
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except Exception:  # the process boundary: a bug is logged with its traceback, not shown
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, "internal error: see the node's log")
@@ -109,7 +114,8 @@ def auth_middleware(api_key: str) -> Callable[..., Any]:
 
 
 async def parse(request: web.Request, model: type[B], *, required: bool = True) -> B:
-    """The JSON body as `model`; 400 with the reason for malformed JSON, unknown fields, wrong types."""
+    """The JSON body as `model`, within the node's limits; 400 with the reason for malformed JSON
+    (also nested too deeply, or numbers too long to convert), unknown fields, wrong types."""
     raw = await request.read()
     if not raw.strip():
         if required:
@@ -117,10 +123,12 @@ async def parse(request: web.Request, model: type[B], *, required: bool = True) 
         return model()
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers over 4300 digits
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("request body is not valid JSON: nested too deeply") from exc
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=request.app[LIMITS_KEY])
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
@@ -222,9 +230,10 @@ def list_query(request: web.Request) -> ListQuery:
 class NodeAPI:
     """Request handlers; the node service does the work, this maps it to the wire."""
 
-    def __init__(self, node: NodeService, *, domain: str):
+    def __init__(self, node: NodeService, *, domain: str, limits: dict[str, int]):
         self.node = node
         self.domain = domain
+        self.limits = limits  # schemas.limits(settings): what request bodies are checked against
         self.proxy = SandboxProxy(self, domain.split(":", 1)[0] or None)
         self.registry = CollectorRegistry()
         self._sandboxes_gauge = Gauge(
@@ -252,6 +261,7 @@ class NodeAPI:
         app = web.Application(
             middlewares=[errors, self.proxy.middleware(), auth_middleware(api_key)], client_max_size=MAX_BODY
         )
+        app[LIMITS_KEY] = self.limits
         self.proxy.setup(app)
         for method, path, handler in self.routes():
             app.router.add_route(method, path, handler)
@@ -292,19 +302,24 @@ class NodeAPI:
 
     # -- proxy resolver --------------------------------------------------------------------
 
-    async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
-        route = await self.node.route(sandbox_id, resume=resume)
-        if route is None:
+    async def proxy_access(self, sandbox_id: str) -> SandboxAccess | None:
+        """From the record alone: the proxy checks credentials before it wakes a paused sandbox."""
+        try:
+            record = await self.node.get(sandbox_id)
+        except NotFound:
             return None
-        record = route.record
-        return ProxyTarget(
-            sandbox_id=record.sandbox_id,
-            network=route.network,
+        return SandboxAccess(
             envd_access_token=record.envd_token,
             traffic_access_token=record.traffic_token,
             secure=record.secure,
             public_traffic=record.network.get("allowPublicTraffic") is not False,
         )
+
+    async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
+        route = await self.node.route(sandbox_id, resume=resume)
+        if route is None:
+            return None
+        return ProxyTarget(sandbox_id=route.record.sandbox_id, network=route.network)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -339,11 +354,11 @@ class NodeAPI:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi_document(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi.document(self.routes()))
+        return web.json_response(openapi.document(self.routes(), self.limits))
 
     # -- sandboxes -------------------------------------------------------------------------
 
-    async def _create(self, body: schemas.NewSandbox, *, secure_default: bool) -> web.Response:
+    async def _create(self, body: schemas.NewSandbox, *, secure: bool) -> web.Response:
         network = body.network.wire() if body.network else {}
         if body.allow_internet_access is False and "denyOut" not in network:
             network["denyOut"] = ["0.0.0.0/0"]
@@ -352,7 +367,7 @@ class NodeAPI:
             timeout=body.timeout,
             auto_pause=bool(body.auto_pause),
             auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
-            secure=secure_default if body.secure is None else body.secure,
+            secure=secure,
             allow_internet=body.allow_internet_access,
             network=network,
             metadata=dict(body.metadata or {}),
@@ -361,13 +376,11 @@ class NodeAPI:
         return self._created(await self.node.create(request))
 
     async def create_v1(self, request: web.Request) -> web.Response:
-        return await self._create(await parse(request, schemas.NewSandbox), secure_default=False)
+        body = await parse(request, schemas.NewSandboxV1)
+        return await self._create(body, secure=bool(body.secure))
 
     async def create_v2(self, request: web.Request) -> web.Response:
-        body = await parse(request, schemas.NewSandbox)
-        if body.secure is not None:
-            raise InvalidRequest("secure is not a field of /v2/sandboxes: every v2 sandbox is secured")
-        return await self._create(body, secure_default=True)
+        return await self._create(await parse(request, schemas.NewSandbox), secure=True)
 
     async def list_running(self, request: web.Request) -> web.Response:
         query = ListQuery(
@@ -403,16 +416,12 @@ class NodeAPI:
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = await parse(request, schemas.PauseRequest, required=False)
-        if body.memory is False:
-            raise InvalidRequest("filesystem-only pause is not supported: pauses keep memory")
+        await parse(request, schemas.PauseRequest, required=False)
         await self.node.pause(self._id(request))
         return web.Response(status=204)
 
     async def connect(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ConnectSandbox, required=False)
-        if body.memory is False:
-            raise InvalidRequest("resuming without memory (cold boot) is not supported")
         record, resumed = await self.node.connect(self._id(request), body.timeout)
         return self._created(record, 201 if resumed else 200)
 
@@ -437,9 +446,7 @@ class NodeAPI:
 
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)
-        if body.memory is False:
-            raise InvalidRequest("filesystem-only snapshots are not supported: snapshots keep memory")
-        name = catalog_name(body.name).lower() if body.name else None
+        name = catalog_name(body.name) if body.name else None
         manifest = await self.node.snapshot(self._id(request), name)
         return web.json_response(views.snapshot_info(manifest), status=201)
 

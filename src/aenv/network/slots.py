@@ -9,13 +9,21 @@ The block is 198.19.0.0/16, the upper half of 198.18.0.0/15 that RFC 2544 reserv
 benchmarking: it is never routed on the internet, home and office LANs do not use it (they
 use RFC 1918 space, which sandboxes must not reach anyway), and it stays clear of the
 198.18.0.0/16 that proxy tools commonly take for fake-IP DNS. 16384 slots of 4 addresses.
+
+Nodes sharing a host take disjoint slot ranges, and each holds a `SlotRangeLock` on its range.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
+import os
+import re
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 SLOT_BLOCK = ipaddress.IPv4Network("198.19.0.0/16")
 SLOT_PREFIX_LEN = 30
@@ -23,6 +31,8 @@ SLOT_COUNT = SLOT_BLOCK.num_addresses // 4
 # Root-namespace interfaces of slots; the host's nft rules match on this prefix.
 HOST_VETH_PREFIX = "aenv-v"
 NAMESPACE_VETH = "veth0"
+# Where the nodes of a host lock their slot ranges: tmpfs, emptied at boot like the namespaces.
+LOCK_DIR = Path("/run/aenv")
 
 
 @dataclass(frozen=True)
@@ -90,3 +100,81 @@ class SlotAllocator:
     @property
     def in_use(self) -> frozenset[int]:
         return frozenset(self._used)
+
+
+class SlotRangeBusy(RuntimeError):
+    """Another live process on this host holds slots of the range."""
+
+
+class SlotRangeLock:
+    """Exclusive use of a slot range by one process on this host, until `release` or its exit.
+
+    Each holder keeps an flock on `slots-<first>-<count>.lock` in `directory`; the kernel drops it
+    when the process dies, whatever way, so a crashed node never blocks the next. Acquiring checks,
+    under a directory-wide lock, every other range file that overlaps: one whose lock can be taken
+    is a dead holder's (removed), one whose lock cannot is a live overlap (`SlotRangeBusy`). Nodes
+    that shared slots would delete each other's namespaces and uplinks at start.
+    """
+
+    def __init__(self, first: int, count: int, directory: Path = LOCK_DIR):
+        self.first, self.count, self.directory = first, count, directory
+        self.path = directory / f"slots-{first}-{count}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with _flocked(self.directory / "slots.lock", blocking=True):
+            for other in sorted(self.directory.glob("slots-*-*.lock")):
+                if other != self.path and self._overlaps(other):
+                    self._check_dead(other)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise SlotRangeBusy(self._busy_message(self.path)) from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+
+    def release(self) -> None:
+        """Give the range up (the file stays: removing it could race with a new holder's open)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _overlaps(self, other: Path) -> bool:
+        match = re.fullmatch(r"slots-(\d+)-(\d+)\.lock", other.name)
+        if match is None:
+            return False
+        first, count = int(match[1]), int(match[2])
+        return first < self.first + self.count and self.first < first + count
+
+    def _check_dead(self, other: Path) -> None:
+        try:
+            with _flocked(other, blocking=False):
+                other.unlink()  # its holder is gone: nothing else may open it while we hold the directory
+        except BlockingIOError:
+            raise SlotRangeBusy(self._busy_message(other)) from None
+
+    def _busy_message(self, held: Path) -> str:
+        try:
+            holder = f"pid {held.read_text().strip() or '?'}"
+        except OSError:
+            holder = "a process"
+        last = self.first + self.count - 1
+        return (
+            f"network slots {self.first}..{last} overlap the range {held.name} that {holder} holds "
+            f"on this host (lock {held}): give each node on a host its own range "
+            "(settings slot_first and slot_count)"
+        )
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, *, blocking: bool) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield fd
+    finally:
+        os.close(fd)

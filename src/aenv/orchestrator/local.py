@@ -130,14 +130,24 @@ class LocalNode:
         return manifest
 
     async def delete_template(self, reference: str) -> None:
-        """Delete a template or snapshot; one still used by sandboxes goes when the last one does."""
+        """Delete a snapshot; one still used by sandboxes goes when the last one does.
+
+        Templates are the node's own (it builds them, `base` at its first start, and keeps warm
+        guests of each): deleting one would break creates until a restart, so it is refused.
+        """
         manifest = await self.find(reference)
-        await self._engine.pool.drain(manifest.id)
+        pool = self._engine.pool
+        if manifest.kind == "template" or pool.target(manifest.id) > 0:
+            name = manifest.alias or manifest.id
+            raise Conflict(
+                f"'{name}' is built into this node: creates and a warm pool use it, so it cannot be deleted"
+            )
+        await pool.drain(manifest.id)
         try:
             self._engine.repository.delete(manifest.id, defer=True)
         except RepositoryError as exc:
             raise Conflict(str(exc)) from exc
-        log.info("deleted %s %s (%s)", manifest.kind, manifest.id, manifest.alias or "no alias")
+        log.info("deleted %s %s (alias %s) at the API's request", manifest.kind, manifest.id, manifest.alias)
 
     # -- node ------------------------------------------------------------------------------
 

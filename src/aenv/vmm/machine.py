@@ -38,6 +38,9 @@ TCG_TRANSLATION_CACHE_MIB = 64
 # (and gets the wall clock from envd's /init). Under TCG the legacy timers alone cost an idle
 # guest more than half of its CPU time (0.8 % of a core per idle VM with them, 0.33 % without).
 MACHINE_TYPE = "microvm,pit=off,pic=off,rtc=off"
+# QEMU's whole environment: it needs none of the node's (which holds the API key and any other
+# secret the node was started with), and a guest escaping into QEMU must find nothing there.
+QEMU_ENVIRONMENT = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 
 
 class MemoryMode(Enum):
@@ -170,7 +173,7 @@ class QemuProcess:
 
 
 def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> int:
-    """posix_spawn QEMU in a new session with only the descriptors it needs."""
+    """posix_spawn QEMU in a new session with only the descriptors and environment it needs."""
     log_path = str(workdir / "qemu.log")
     actions: list[tuple[Any, ...]] = [
         (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -180,7 +183,7 @@ def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> i
     ]
     if tap_fd is not None:
         actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
-    return os.posix_spawnp(argv[0], argv, dict(os.environ), file_actions=actions, setsid=True)
+    return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
 
 
 @dataclass
