@@ -55,8 +55,9 @@ class TemplateBuilder:
             shape = await self._machine(vcpus or default_vcpus(host.accel), memory_mib)
             base = layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
             upper = await layers.create_upper(base)
+            boot = await asyncio.to_thread(host.runtime.boot_files, shape)
             config = guest_machine(
-                host.runtime.boot_files(shape), layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
+                boot, layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
                 memory_mib=memory_mib, memory_mode=MemoryMode.SHARED_FILE, memory_path=staging / "memory.img",
             )  # fmt: skip
             guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
@@ -137,7 +138,7 @@ class TemplateBuilder:
             memory_deltas=(),
             device_state=repository.put_bytes(devices),
             vmstate_prefix=repository.put_bytes(prefix),
-            disk_layers=layers,
+            disk_layers=self.host.runtime.publish_layers(list(layers)),
             runtime=runtime,
             metadata=metadata,
             sizes={memory_image: image_size},

@@ -93,6 +93,21 @@ class RuntimeResolver(Protocol):
 
     def boot_files(self, machine: MachineShape) -> BootFiles: ...
     def layer_path(self, layer_id: str) -> Path: ...
+    def prepare(self, manifest: SnapshotManifest) -> None:
+        """Make every file of the snapshot local now (blocking: call it in a worker thread)."""
+        ...
+
+    def top_layer(self, manifest: SnapshotManifest) -> Path:
+        """The snapshot's topmost sealed disk layer, its backing chain in place: new layers go on it."""
+        ...
+
+    def publish_layers(self, layers: list[str]) -> tuple[str, ...]:
+        """What a manifest records for this disk chain (node layer ids, or repository digests).
+
+        Blocking: a remote repository uploads the sealed layers it does not hold yet.
+        """
+        ...
+
     def prune(self, is_live: Callable[[str], bool]) -> int:
         """Remove the runtime files of snapshots that are no longer live; returns how many."""
         ...

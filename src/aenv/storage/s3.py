@@ -149,6 +149,7 @@ class S3Repository:
         staging.mkdir(parents=True, exist_ok=True)
         self._own_staging: set[Path] = set()
         self._leases_lock = threading.Lock()
+        self._mine: set[tuple[str, str]] | None = None  # (snapshot, holder) leased by this node
         self._last_beat = 0.0
 
     # ---- object helpers ------------------------------------------------------------------------
@@ -445,13 +446,25 @@ class S3Repository:
         self._last_beat = time.monotonic()
 
     def local_leases(self) -> set[str]:
-        """Ids of the snapshots this node holds leases on (what its runtime cache must keep)."""
-        found = set()
-        for entry in self._list("leases", "")[0]:
-            snapshot_id, _, holder = entry["Name"].partition("/")
-            if holder and self._read(entry["Key"]) == self.node.encode():
-                found.add(snapshot_id)
-        return found
+        """Ids of the snapshots this node holds leases on (what its runtime cache must keep).
+
+        Read from the store once, then kept up to date by this instance's acquires and releases.
+        """
+        with self._leases_lock:
+            if self._mine is None:
+                mine = set()
+                for entry in self._list("leases", "")[0]:
+                    snapshot_id, _, holder = entry["Name"].partition("/")
+                    if holder and self._read(entry["Key"]) == self.node.encode():
+                        mine.add((snapshot_id, holder))
+                self._mine = mine
+            return {snapshot_id for snapshot_id, _ in self._mine}
+
+    def _note_lease(self, snapshot_id: str, holder: str, held: bool) -> None:
+        self.local_leases()  # loaded before the first change
+        with self._leases_lock:
+            assert self._mine is not None
+            (self._mine.add if held else self._mine.discard)((snapshot_id, holder))
 
     def acquire(self, id_or_alias: str, holder: str) -> SnapshotManifest:
         """Record that ``holder`` uses the snapshot; written before the liveness check (see above)."""
@@ -460,6 +473,7 @@ class S3Repository:
             self.heartbeat()
         snapshot_id = self.resolve(id_or_alias)
         lease = self._key("leases", snapshot_id, holder)
+        self._note_lease(snapshot_id, holder, True)
         self._put(lease, self.node.encode())
         try:
             if not self._is_live(snapshot_id):
@@ -475,6 +489,7 @@ class S3Repository:
         if not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
             raise InvalidName(f"invalid snapshot id {snapshot_id!r}")
         self._delete(self._key("leases", snapshot_id, holder))
+        self._note_lease(snapshot_id, holder, False)
         if self._head(self._key("deleted", snapshot_id)) is not None and not self._holders(snapshot_id):
             self._remove(snapshot_id, self.grace_seconds)
 
