@@ -91,3 +91,13 @@ def test_owners_and_order_survive_a_restart(tmp_path: Path):
     assert again.keys() == ["a", "b"]
     again.get("c", filler(b"3" * MIB))
     assert again.keys() == ["a", "c"]  # a is pinned by the lease its owner still holds
+
+
+def test_a_local_file_is_adopted_without_a_fetch(tmp_path: Path):
+    cache = BlobCache(tmp_path / "c", 10 * MIB, set)
+    image = tmp_path / "memory.img"
+    image.write_bytes(b"built here")
+    cache.adopt("d1", image, owner="s1")
+    image.unlink()  # stored and removed from staging: the cache keeps the only copy
+    assert cache.get("d1", filler(b"downloaded")).read_bytes() == b"built here"
+    assert (cache.stats().misses, cache.stats().hits) == (0, 1)

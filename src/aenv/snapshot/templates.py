@@ -23,6 +23,7 @@ from . import devstate
 from .host import Host
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .model import EngineError, GuestInit
+from .repository import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,9 @@ class TemplateBuilder:
         prefix = devstate.split_prefix((staging / "vmstate").read_bytes(), devices)
         image = staging / "memory.img"
         image_size = image.stat().st_size
-        memory_image = repository.put_blob(image, move=True)
+        memory_image = file_digest(image)
+        self.host.runtime.keep_local(image, memory_image)
+        repository.put_blob(image, digest=memory_image, move=True, verify=False)
         manifest = SnapshotManifest(
             id=new_snapshot_id(),
             kind="template",

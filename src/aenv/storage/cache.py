@@ -96,6 +96,19 @@ class BlobCache:
             self._evict(keep=key)
         return self.path(key)
 
+    def adopt(self, key: str, path: Path, owner: str | None = None) -> None:
+        """Make an immutable local file an entry by hardlink (it was just stored from this node)."""
+        with self._lock:
+            if key in self._entries and self.path(key).exists():
+                return
+            tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+            tmp.unlink(missing_ok=True)
+            os.link(path, tmp)
+            os.replace(tmp, self.path(key))
+            self._entries[key] = _Entry(_allocated(self.path(key)), {owner} if owner else set())
+            self._save()
+            self._evict(keep=key)
+
     def stats(self) -> CacheStats:
         with self._lock:
             pinned = self._pinned_keys()

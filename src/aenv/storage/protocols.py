@@ -101,6 +101,10 @@ class RuntimeResolver(Protocol):
         """The snapshot's topmost sealed disk layer, its backing chain in place: new layers go on it."""
         ...
 
+    def keep_local(self, path: Path, digest: str) -> None:
+        """`path` (immutable, about to be stored as blob `digest`) may serve reads of that blob."""
+        ...
+
     def publish_layers(self, layers: list[str]) -> tuple[str, ...]:
         """What a manifest records for this disk chain (node layer ids, or repository digests).
 

@@ -19,6 +19,7 @@ prefix and device state and kept under the node's `runtime/` directory until the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -85,6 +86,9 @@ class LocalRuntime:
     def top_layer(self, manifest: SnapshotManifest) -> Path:
         return self._layers.path(manifest.disk_layers[-1])
 
+    def keep_local(self, path: Path, digest: str) -> None:
+        """Nothing to keep: the stored blob is the file itself."""
+
     def publish_layers(self, layers: list[str]) -> tuple[str, ...]:
         """Layer ids, as they are: sealed layers stay in this node's layer store."""
         return tuple(layers)
@@ -147,6 +151,14 @@ class CachedRuntime(LocalRuntime):
                 raise LayerError(f"qemu-img rebase failed: {done.stderr.decode(errors='replace').strip()}")
 
         return fill
+
+    def keep_local(self, path: Path, digest: str) -> None:
+        """A new memory image is already here: the node that built it does not download it back.
+
+        Only on the cache's filesystem (a hardlink); elsewhere the first use fetches it.
+        """
+        with contextlib.suppress(OSError):
+            self.cache.adopt(digest.removeprefix("sha256:"), path)
 
     def publish_layers(self, layers: list[str]) -> tuple[str, ...]:
         """Upload each sealed layer of this node (digests already in the repository stay)."""
