@@ -9,6 +9,7 @@ sandbox from that snapshot through the repository alone (its cache starts empty)
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,13 +67,24 @@ def test_snapshot_on_node_a_starts_on_node_b(two_nodes, node_loop: NodeLoop):
     node_a.kill(source.sandbox_id)
 
     assert storage_b.cache is not None and storage_b.cache.stats().entries == 0
+    started = time.monotonic()
     copy = node_b.start("from-a")
+    cold = time.monotonic() - started
     sdk_b = copy.sdk()
     assert sdk_b.files.read("/root/made-on-a.txt", user="root") == "written on node A before the snapshot"
     pid = sdk_b.files.read("/root/sleeper.pid", user="root").strip()
     assert sdk_b.commands.run(f"kill -0 {pid}", user="root").exit_code == 0  # the process lives on
     stats = storage_b.cache.stats()
     assert stats.misses > 0 and stats.fetched_bytes > 0
+    started = time.monotonic()
+    again = node_b.start("from-a")  # everything is in B's cache now
+    warm = time.monotonic() - started
+    assert storage_b.cache.stats().misses == stats.misses
+    assert again.sdk().files.read("/root/made-on-a.txt", user="root").startswith("written on node A")
+    print(
+        f"\ncreate on B from A's snapshot: cold cache {cold:.1f} s ({stats.fetched_bytes >> 20} MiB fetched,"
+        f" {stats.used_bytes >> 20} MiB on disk), warm cache {warm:.1f} s"
+    )
     layers_dir = Path(engine_b.layers.root)
     chain_owner = engine_b.runtime.top_layer(engine_b.repository.get("from-a"))
     assert str(chain_owner).startswith(str(layers_dir.parent))  # materialized in B's own home
