@@ -514,15 +514,12 @@ class S3Repository:
     def delete(self, id_or_alias: str, *, defer: bool = True) -> bool:
         """Delete a snapshot; returns True if removed now, False if deferred until its leases end."""
         snapshot_id = self.resolve(id_or_alias)
-        tombstone = self._key("deleted", snapshot_id)
-        self._put(tombstone, b"")
-        holders = self._holders(snapshot_id)
-        if not holders:
+        if not defer and (holders := self._holders(snapshot_id)):
+            raise SnapshotInUse(f"snapshot {snapshot_id!r} is in use by {', '.join(holders)}")
+        self._put(self._key("deleted", snapshot_id), b"")
+        if not self._holders(snapshot_id):  # counted after the tombstone: see the module docstring
             self._remove(snapshot_id, self.grace_seconds)
             return True
-        if not defer:
-            self._delete(tombstone)
-            raise SnapshotInUse(f"snapshot {snapshot_id!r} is in use by {', '.join(holders)}")
         self._drop_aliases(snapshot_id)
         return False
 
