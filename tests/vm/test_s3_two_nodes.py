@@ -85,6 +85,12 @@ def test_snapshot_on_node_a_starts_on_node_b(two_nodes, node_loop: NodeLoop):
         f"\ncreate on B from A's snapshot: cold cache {cold:.1f} s ({stats.fetched_bytes >> 20} MiB fetched,"
         f" {stats.used_bytes >> 20} MiB on disk), warm cache {warm:.1f} s"
     )
+    # Both nodes collect garbage with no grace while B runs the copy: nothing B needs goes.
+    engine_a.collect_garbage(grace_seconds=0)
+    engine_b.collect_garbage(grace_seconds=0)
+    assert again.sdk().commands.run("cat /root/made-on-a.txt", user="root").stdout.startswith("written")
+    third = node_b.start("from-a")
+    assert third.sdk().files.read("/root/made-on-a.txt", user="root").startswith("written on node A")
     layers_dir = Path(engine_b.layers.root)
     chain_owner = engine_b.runtime.top_layer(engine_b.repository.get("from-a"))
     assert str(chain_owner).startswith(str(layers_dir.parent))  # materialized in B's own home
