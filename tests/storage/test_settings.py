@@ -69,3 +69,13 @@ def test_aws_variables_are_the_credentials(s3_server, tmp_path: Path, monkeypatc
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     with pytest.raises(Exception, match=r"SignatureDoesNotMatch|Forbidden|403"):
         open_storage(settings, "node-b")
+
+
+def test_s3_urls_name_bucket_and_prefix():
+    from aenv.storage.s3 import S3Location
+
+    location = S3Location.from_url("s3://bucket/a/b/", region="r")
+    assert (location.bucket, location.prefix, location.region) == ("bucket", "a/b", "r")
+    assert S3Location.from_url("s3://bucket").prefix == ""
+    with pytest.raises(ValueError, match="s3://BUCKET"):
+        S3Location.from_url("s3:///x")
