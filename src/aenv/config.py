@@ -45,6 +45,16 @@ class Settings:
     slot_count: int = 1024
     evict_interval: float = 1.0
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
+    # Where committed snapshots live (aenv.storage.open): a directory (posix_fs; empty means
+    # <home>/repository) or s3://BUCKET/PREFIX on an S3-compatible store, which then needs the
+    # region; credentials come from s3_access_key/s3_secret_key or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY.
+    repository: str = ""
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; empty: AWS's own endpoint for the region
+    s3_region: str = ""
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    cache_capacity_mib: int = 20480  # the runtime cache of an s3 repository (files QEMU opens)
+    lease_ttl: float = 600.0  # a node silent this long is dead to the others: its leases expire
     log_level: str = "INFO"
 
     @property
@@ -63,7 +73,14 @@ class Settings:
             problems.append(f"shutdown_action must be pause or kill, got {self.shutdown_action!r}")
         if self.accel not in ("auto", "kvm", "tcg"):
             problems.append(f"accel must be auto, kvm or tcg, got {self.accel!r}")
-        for name in ("memory_mib", "default_timeout", "max_timeout", "max_fork_count"):
+        if self.repository.startswith("s3://"):
+            if not self.repository[5:].split("/", 1)[0]:
+                problems.append(f"repository must be s3://BUCKET/PREFIX, got {self.repository!r}")
+            if not self.s3_region:
+                problems.append("an s3 repository needs its region: set AENV_S3_REGION")
+        elif "://" in self.repository:
+            problems.append(f"repository must be a directory or s3://BUCKET/PREFIX, got {self.repository!r}")
+        for name in ("memory_mib", "default_timeout", "max_timeout", "max_fork_count", "cache_capacity_mib"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         if self.vcpus < 0:
@@ -73,6 +90,8 @@ class Settings:
         for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
+        if self.lease_ttl <= 0:
+            problems.append("lease_ttl must be positive")
         if problems:
             raise ConfigError("; ".join(problems))
         return self

@@ -32,10 +32,10 @@ from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
-from .paths import repository_dir
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
-from .snapshot.repository import SnapshotNotFound, SnapshotRepository
+from .snapshot.repository import SnapshotNotFound
+from .storage.open import Storage, open_storage
 from .vmm.accel import choose_accelerator
 
 log = logging.getLogger("aenv.node")
@@ -80,6 +80,7 @@ class Node:
         self.housekeeper: Housekeeper | None = None
         self.api: NodeAPI | None = None
         self.slot_lock = SlotRangeLock(settings.slot_first, settings.slot_count)
+        self.storage: Storage | None = None
 
     async def start(self) -> None:
         settings = self.settings
@@ -93,7 +94,8 @@ class Node:
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
-        repository = SnapshotRepository(repository_dir(home))
+        self.storage = open_storage(settings, node_id(home))
+        repository = self.storage.repository
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.
         self.networks = NetworkPool(
@@ -103,8 +105,9 @@ class Node:
         )
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
         engine = SnapshotEngine(
-            home, repository, artifacts, choice.accel, networks=self.networks, parking=parking
-        )
+            home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
+            runtime=self.storage.runtime,
+        )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))
@@ -164,6 +167,8 @@ class Node:
         if self.networks is not None:
             await self.networks.close()
         self.slot_lock.release()
+        if self.storage is not None:
+            self.storage.heartbeat.stop()
         log.info("node stopped")
 
 

@@ -69,6 +69,11 @@ class Host:
         if (problem := await self.incompatibility(manifest)) is not None:
             raise EngineError(f"snapshot {manifest.id} cannot run on this node: {problem}")
 
+    async def new_top_layer(self, manifest: SnapshotManifest) -> str:
+        """A writable disk layer over the snapshot's chain, its files made local first."""
+        await asyncio.to_thread(self.runtime.prepare, manifest)
+        return await self.layers.create_upper_over(self.runtime.top_layer(manifest))
+
     async def network(self, name: str, policy: EgressPolicy | None) -> SandboxNetwork:
         """A network from the node's pool (with egress), or a private one without any way out."""
         if self.networks is not None:

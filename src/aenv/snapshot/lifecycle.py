@@ -59,7 +59,7 @@ class Lifecycle:
         warm = self.pool.take(manifest.id)
         try:
             await host.check_runnable(manifest)
-            top = warm.top_layer if warm else await host.layers.create_upper(manifest.disk_layers[-1])
+            top = warm.top_layer if warm else await host.new_top_layer(manifest)
         except BaseException:
             if warm is not None:
                 await self.warm.discard(warm)
@@ -93,6 +93,7 @@ class Lifecycle:
             raise EngineError(f"sandbox {state.sandbox_id} is not paused")
         manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
         await self.host.check_runnable(manifest)
+        await asyncio.to_thread(self.host.runtime.prepare, manifest)
         stream = self.host.workdir(state.sandbox_id) / "resume.vmstate"
         prefix = self.host.runtime.vmstate_prefix(manifest)
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
@@ -160,6 +161,7 @@ class Lifecycle:
         origin = sandbox.manifest
         delta_size = delta.path.stat().st_size
         delta_digest = repository.put_blob(delta.path, digest=delta.digest, move=True, verify=False)
+        disk_layers = self.host.runtime.publish_layers(layers)
         manifest = SnapshotManifest(
             id=new_snapshot_id(),
             kind="snapshot",
@@ -171,7 +173,7 @@ class Lifecycle:
             memory_deltas=(delta_digest,),
             device_state=repository.put_blob(devices, move=True),
             vmstate_prefix=origin.vmstate_prefix,
-            disk_layers=tuple(layers),
+            disk_layers=disk_layers,
             runtime=origin.runtime,
             metadata=metadata,
             sizes={delta_digest: delta_size},

@@ -8,7 +8,8 @@ shared filesystem; `aenv.storage.runtime.LocalRuntime` uses its blobs in place).
     blobs/sha256/<hex>        immutable blob files (mode 0444), named by the sha256 of their bytes
     manifests/<id>.json       committed manifests; a snapshot exists exactly when this file does
     aliases/<alias>           a file holding the id the alias points to
-    leases/<id>/<holder>      empty files, one per holder (a sandbox id) using the snapshot
+    leases/<id>/<holder>      one per holder (a sandbox id) using the snapshot; holds the node id
+    nodes/<node>              the node's heartbeat: its mtime is when the node last said it is alive
     deleted/<id>              tombstone: deleted while leased, removed when the last lease goes
     staging/                  scratch directories and temporary blob copies (same filesystem)
     lock                      flock()ed by every catalog change and by gc
@@ -23,6 +24,12 @@ A blob is stored before the manifest that names it is committed, so ``gc`` and `
 alone any unreferenced blob touched within ``grace_seconds`` (storing a blob, even one already
 present, refreshes its mtime). Blob files are shared by hardlink with the file they were stored
 from: callers must treat a stored file as immutable from then on.
+
+Leases expire with their node: every lease names the node that took it, and a node whose
+heartbeat (`heartbeat`, called by the node's `storage.Heartbeat` thread) is older than
+``lease_ttl`` is dead to the others, so its leases no longer defer deletions or protect blobs.
+A node's own leases are always live to itself (a restarted node takes its leases back), and a
+lease written before leases named their node never expires.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -59,7 +67,13 @@ _ZERO_BYTES = bytes(CHUNK)
 _ZEROS = memoryview(_ZERO_BYTES)
 ALIAS_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 HOLDER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_DIGEST_ANYWHERE = re.compile(r"sha256:[0-9a-f]{64}")
+DIGEST_ANYWHERE = re.compile(r"sha256:[0-9a-f]{64}")
+DEFAULT_LEASE_TTL = 600.0  # seconds a node may go without a heartbeat before its leases expire
+
+
+def default_node_id() -> str:
+    """This host's name as a lease owner, for repositories used by one node per host."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "local"
 
 
 class RepositoryError(Exception):
@@ -184,6 +198,14 @@ def sparse_copy(src: Path, dst: Path) -> None:
         os.fsync(fout.fileno())
 
 
+def check_fetched(path: Path, digest: str) -> None:
+    """Remove ``path`` and raise ``DigestMismatch`` unless its bytes hash to ``digest``."""
+    actual = file_digest(path)
+    if actual != digest:
+        path.unlink(missing_ok=True)
+        raise DigestMismatch(f"blob {digest} is corrupt: its contents hash to {actual}")
+
+
 def check_alias(alias: str) -> str:
     """Return ``alias`` if it is a valid alias name, else raise ``InvalidName``."""
     if not isinstance(alias, str) or not ALIAS_RE.fullmatch(alias):
@@ -194,13 +216,13 @@ def check_alias(alias: str) -> str:
     return alias
 
 
-def _check_digest(digest: str) -> str:
+def check_digest(digest: str) -> str:
     if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
         raise InvalidDigest(f"invalid digest {digest!r}: expected 'sha256:<64 lowercase hex>'")
     return digest
 
 
-def _check_holder(holder: str) -> str:
+def check_holder(holder: str) -> str:
     if not isinstance(holder, str) or not HOLDER_RE.fullmatch(holder):
         raise InvalidName(f"invalid lease holder {holder!r}: use letters, digits, '.', '_', '-'")
     return holder
@@ -241,16 +263,27 @@ def _unlink_durably(path: Path) -> bool:
 class SnapshotRepository:
     """Committed snapshots and their blobs in one directory; safe for threads and processes."""
 
-    def __init__(self, root: Path | str, *, grace_seconds: float = 3600.0) -> None:
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        grace_seconds: float = 3600.0,
+        node: str | None = None,
+        lease_ttl: float | None = DEFAULT_LEASE_TTL,
+    ) -> None:
         self.root = Path(root)
         self.grace_seconds = grace_seconds
+        self.node = check_holder(node or default_node_id())
+        self.lease_ttl = lease_ttl
+        self._nodes = self.root / "nodes"
         self._blobs = self.root / "blobs" / "sha256"
         self._manifests = self.root / "manifests"
         self._aliases = self.root / "aliases"
         self._leases = self.root / "leases"
         self._deleted = self.root / "deleted"
         self._staging = self.root / "staging"
-        for d in (self._blobs, self._manifests, self._aliases, self._leases, self._deleted, self._staging):
+        dirs = (self._blobs, self._manifests, self._aliases, self._leases, self._deleted, self._staging)
+        for d in (*dirs, self._nodes):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._own_staging: set[Path] = set()
@@ -266,7 +299,7 @@ class SnapshotRepository:
 
     def blob_path(self, digest: str) -> Path:
         """Where the blob with this digest lives (whether or not it is stored)."""
-        return self._blobs / _check_digest(digest).removeprefix("sha256:")
+        return self._blobs / check_digest(digest).removeprefix("sha256:")
 
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()
@@ -281,6 +314,14 @@ class SnapshotRepository:
         if actual != digest:
             raise DigestMismatch(f"blob {digest} is corrupt: its contents hash to {actual}")
 
+    def fetch_blob(self, digest: str, dest: Path) -> None:
+        """Copy a blob to a new file ``dest`` (holes stay holes), verified against its digest."""
+        try:
+            sparse_copy(self.blob_path(digest), dest)
+        except FileNotFoundError:
+            raise MissingBlob(f"blob {digest} is not in the repository") from None
+        check_fetched(dest, digest)
+
     def put_blob(
         self, path: Path | str, *, digest: str | None = None, move: bool = False, verify: bool = True
     ) -> str:
@@ -293,8 +334,8 @@ class SnapshotRepository:
         regions are copied so sparse memory images stay sparse.
         """
         src = Path(path)
-        actual = file_digest(src) if verify or digest is None else _check_digest(digest)
-        if digest is not None and actual != _check_digest(digest):
+        actual = file_digest(src) if verify or digest is None else check_digest(digest)
+        if digest is not None and actual != check_digest(digest):
             raise DigestMismatch(f"{src} hashes to {actual}, not to the given {digest}")
         try:
             self._place(src, actual, move)
@@ -481,29 +522,42 @@ class SnapshotRepository:
         Returns the manifest read under the lock, so it cannot vanish between lookup and lease.
         Acquiring again with the same holder is harmless.
         """
-        _check_holder(holder)
+        check_holder(holder)
         with self._locked():
             manifest = self.get(id_or_alias)
             leases = self._leases / manifest.id
             leases.mkdir(exist_ok=True)
-            (leases / holder).touch()
-            _fsync_dir(leases)
+            _write_atomic(leases / holder, self.node.encode())
             _fsync_dir(self._leases)
-            return manifest
+        self.heartbeat()
+        return manifest
 
     def release(self, snapshot_id: str, holder: str) -> None:
         """Drop ``holder``'s lease; the last release completes a deferred delete. Idempotent."""
-        _check_holder(holder)
+        check_holder(holder)
         if not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
             raise InvalidName(f"invalid snapshot id {snapshot_id!r}")
         with self._locked():
             leases = self._leases / snapshot_id
             _unlink_durably(leases / holder)
             if not self._holders(snapshot_id):
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone, or expired leases of dead nodes left
                     leases.rmdir()
                 if (self._deleted / snapshot_id).exists():
                     self._remove(snapshot_id, self.grace_seconds)
+
+    def heartbeat(self) -> None:
+        """Tell the other nodes sharing this repository that this node (and its leases) is alive."""
+        (self._nodes / self.node).touch()
+
+    def local_leases(self) -> set[str]:
+        """Ids of the snapshots this node holds leases on (what its runtime cache must keep)."""
+        found = set()
+        for lease in self._leases.glob("*/[!.]*"):
+            with contextlib.suppress(FileNotFoundError):
+                if lease.read_text() in ("", self.node):
+                    found.add(lease.parent.name)
+        return found
 
     def is_live(self, snapshot_id: str) -> bool:
         """Whether a snapshot with this id is committed and not deleted."""
@@ -511,7 +565,7 @@ class SnapshotRepository:
 
     def leased(self, snapshot_id: str, holder: str) -> SnapshotManifest:
         """The manifest a lease holder runs from, also after a deferred delete hid it from `get`."""
-        _check_holder(holder)
+        check_holder(holder)
         if not SNAPSHOT_ID_RE.fullmatch(snapshot_id) or not (self._leases / snapshot_id / holder).exists():
             raise SnapshotNotFound(f"{holder!r} holds no lease on snapshot {snapshot_id!r}")
         return self._load(snapshot_id)
@@ -560,6 +614,9 @@ class SnapshotRepository:
                 for tmp in d.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
             removed, freed = [], 0
+            for lease in self._leases.glob("*/[!.]*"):
+                if not self._lease_live(lease):
+                    lease.unlink(missing_ok=True)
             for tombstone in self._deleted.iterdir():
                 if not self._manifest_path(tombstone.name).exists():
                     tombstone.unlink()
@@ -631,10 +688,27 @@ class SnapshotRepository:
                     _unlink_durably(path)
 
     def _holders(self, snapshot_id: str) -> list[str]:
+        """Holders of live leases (those of dead nodes have expired)."""
         try:
-            return sorted(p.name for p in (self._leases / snapshot_id).iterdir())
+            leases = list((self._leases / snapshot_id).glob("[!.]*"))
         except FileNotFoundError:
             return []
+        return sorted(p.name for p in leases if self._lease_live(p))
+
+    def _lease_live(self, lease: Path) -> bool:
+        try:
+            node = lease.read_text()
+        except FileNotFoundError:
+            return False
+        if node in ("", self.node) or self.lease_ttl is None:
+            return True
+        if not HOLDER_RE.fullmatch(node):
+            return False
+        try:
+            beat = (self._nodes / node).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return time.time() - beat <= self.lease_ttl
 
     def _remove(self, snapshot_id: str, grace: float) -> tuple[list[str], int]:
         """Remove a snapshot for good, then the blobs only it used. Order keeps crashes harmless.
@@ -660,7 +734,7 @@ class SnapshotRepository:
         found: set[str] = set()
         for path in self._manifests.glob("[!.]*.json"):
             with contextlib.suppress(FileNotFoundError):
-                found.update(_DIGEST_ANYWHERE.findall(path.read_text(errors="replace")))
+                found.update(DIGEST_ANYWHERE.findall(path.read_text(errors="replace")))
         return found
 
     def _sweep_blobs(self, candidates: list[str] | None, grace: float) -> tuple[list[str], int]:

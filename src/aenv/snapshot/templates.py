@@ -23,6 +23,7 @@ from . import devstate
 from .host import Host
 from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .model import EngineError, GuestInit
+from .repository import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ class TemplateBuilder:
             shape = await self._machine(vcpus or default_vcpus(host.accel), memory_mib)
             base = layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
             upper = await layers.create_upper(base)
+            boot = await asyncio.to_thread(host.runtime.boot_files, shape)
             config = guest_machine(
-                host.runtime.boot_files(shape), layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
+                boot, layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
                 memory_mib=memory_mib, memory_mode=MemoryMode.SHARED_FILE, memory_path=staging / "memory.img",
             )  # fmt: skip
             guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
@@ -125,7 +127,9 @@ class TemplateBuilder:
         prefix = devstate.split_prefix((staging / "vmstate").read_bytes(), devices)
         image = staging / "memory.img"
         image_size = image.stat().st_size
-        memory_image = repository.put_blob(image, move=True)
+        memory_image = file_digest(image)
+        self.host.runtime.keep_local(image, memory_image)
+        repository.put_blob(image, digest=memory_image, move=True, verify=False)
         manifest = SnapshotManifest(
             id=new_snapshot_id(),
             kind="template",
@@ -137,7 +141,7 @@ class TemplateBuilder:
             memory_deltas=(),
             device_state=repository.put_bytes(devices),
             vmstate_prefix=repository.put_bytes(prefix),
-            disk_layers=layers,
+            disk_layers=self.host.runtime.publish_layers(list(layers)),
             runtime=runtime,
             metadata=metadata,
             sizes={memory_image: image_size},

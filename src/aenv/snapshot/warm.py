@@ -74,7 +74,7 @@ class WarmVMs:
         vm: VirtualMachine | None = None
         try:
             await host.check_runnable(manifest)
-            top = await host.layers.create_upper(manifest.disk_layers[-1])
+            top = await host.new_top_layer(manifest)
             network = await host.network(f"aenv-{entry_id}", None)
             vm = await self.clones.spawn(manifest, top, workdir, network)
             runtime = host.runtime

@@ -115,9 +115,12 @@ class LayerStore:
 
     async def create_upper(self, below: str) -> str:
         """A new writable layer on top of layer `below`."""
-        backing = self.path(below)
+        return await self.create_upper_over(self.path(below))
+
+    async def create_upper_over(self, backing: Path) -> str:
+        """A new writable layer over the sealed qcow2 file `backing` (a layer here or in a cache)."""
         if not backing.exists():
-            raise LayerError(f"disk layer {below} is missing")
+            raise LayerError(f"disk layer {backing.name} is missing")
         layer_id = new_layer_id()
         await _qemu_img(
             "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(self.path(layer_id))

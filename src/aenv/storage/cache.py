@@ -1,0 +1,209 @@
+"""The node's runtime cache: repository blobs materialized as local files, within a capacity.
+
+The third storage tier (see `aenv.storage.protocols`): files QEMU maps and opens, fetched from
+a remote repository on first use. Every entry records the snapshots it was fetched for
+(`owners`); an entry is pinned while this node holds a lease on one of them (a sandbox, warm
+VM or paused sandbox uses the snapshot), and for a short while after each use (so a file handed
+out for a build or a start is not evicted before QEMU opens it). Cold entries are evicted least
+recently used first when the cache is over capacity; when everything left is pinned the cache
+stays over capacity rather than fail a start, and says so in its stats.
+
+Usage is the space entries take on disk (sparse memory images count what they hold, not their
+size). The index (owners and use order) is kept in ``index.json`` so a restarted node keeps the
+pins of its paused sandboxes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+INDEX = "index.json"
+RECENT_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A point-in-time view of the cache for metrics (counters only ever grow)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    pinned_entries: int
+    hits: int
+    misses: int
+    evictions: int
+    fetched_bytes: int
+
+
+@dataclass
+class _Entry:
+    size: int
+    owners: set[str] = field(default_factory=set)
+    used: float = field(default_factory=time.time)
+
+
+class BlobCache:
+    """Files named by key under ``root``, filled on a miss, evicted LRU when over capacity.
+
+    `in_use()` returns the snapshot ids this node holds leases on; entries owned by one of them
+    are never evicted.
+    """
+
+    def __init__(self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]]):
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self._in_use = in_use
+        root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._filling: dict[str, threading.Lock] = {}
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.hits = self.misses = self.evictions = self.fetched_bytes = 0
+        self._load()
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def get(self, key: str, fill: Callable[[Path], None], owner: str | None = None) -> Path:
+        """The entry's file, filled by ``fill(tmp)`` on a miss; ``owner`` (a snapshot id) pins it."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and self.path(key).exists():
+                self.hits += 1
+                self._touch(key, entry, owner)
+                return self.path(key)
+            key_lock = self._filling.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and self.path(key).exists():  # filled by another thread
+                    self.hits += 1
+                    self._touch(key, entry, owner)
+                    return self.path(key)
+            self._fill(key, fill, owner)
+        with self._lock:
+            self._filling.pop(key, None)
+            self._evict(keep=key)
+        return self.path(key)
+
+    def adopt(self, key: str, path: Path, owner: str | None = None) -> None:
+        """Make an immutable local file an entry by hardlink (it was just stored from this node)."""
+        with self._lock:
+            if key in self._entries and self.path(key).exists():
+                return
+            tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+            tmp.unlink(missing_ok=True)
+            os.link(path, tmp)
+            os.replace(tmp, self.path(key))
+            self._entries[key] = _Entry(_allocated(self.path(key)), {owner} if owner else set())
+            self._save()
+            self._evict(keep=key)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            pinned = self._pinned_keys()
+            return CacheStats(
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=sum(e.size for e in self._entries.values()),
+                entries=len(self._entries),
+                pinned_entries=len(pinned),
+                hits=self.hits,
+                misses=self.misses,
+                evictions=self.evictions,
+                fetched_bytes=self.fetched_bytes,
+            )
+
+    def keys(self) -> list[str]:
+        """Entry keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _fill(self, key: str, fill: Callable[[Path], None], owner: str | None) -> None:
+        final = self.path(key)
+        tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            fill(tmp)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        size = _allocated(final)
+        with self._lock:
+            self.misses += 1
+            self.fetched_bytes += final.stat().st_size
+            self._entries[key] = _Entry(size, {owner} if owner else set())
+            self._save()
+
+    def _touch(self, key: str, entry: _Entry, owner: str | None) -> None:
+        entry.used = time.time()
+        self._entries.move_to_end(key)
+        if owner and owner not in entry.owners:
+            entry.owners.add(owner)
+            self._save()
+
+    def _pinned_keys(self) -> set[str]:
+        leased = self._in_use()
+        recent = time.time() - RECENT_SECONDS
+        return {k for k, e in self._entries.items() if e.owners & leased or e.used > recent}
+
+    def _evict(self, keep: str) -> None:
+        used = sum(e.size for e in self._entries.values())
+        if used <= self.capacity_bytes:
+            return
+        pinned = self._pinned_keys() | {keep}
+        for key in [k for k in self._entries if k not in pinned]:
+            if used <= self.capacity_bytes:
+                break
+            entry = self._entries.pop(key)
+            self.path(key).unlink(missing_ok=True)
+            used -= entry.size
+            self.evictions += 1
+        if used > self.capacity_bytes:
+            log.warning(
+                "runtime cache holds %d MiB over its %d MiB capacity: all of it is in use",
+                (used - self.capacity_bytes) >> 20, self.capacity_bytes >> 20,
+            )  # fmt: skip
+        self._save()
+
+    def _save(self) -> None:
+        data = {k: {"owners": sorted(e.owners), "used": e.used} for k, e in self._entries.items()}
+        tmp = self.root / f".{INDEX}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.root / INDEX)
+
+    def _load(self) -> None:
+        """Entries left by an earlier run, with their owners; files without a record are unowned."""
+        try:
+            recorded = json.loads((self.root / INDEX).read_text())
+        except (FileNotFoundError, ValueError):
+            recorded = {}
+        found = []
+        for path in self.root.iterdir():
+            if path.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()  # an interrupted fill
+                continue
+            if path.name == INDEX:
+                continue
+            info = recorded.get(path.name, {})
+            entry = _Entry(_allocated(path), set(info.get("owners", [])), float(info.get("used", 0.0)))
+            found.append((entry.used, path.name, entry))
+        for _, key, entry in sorted(found):
+            self._entries[key] = entry
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512

@@ -1,0 +1,88 @@
+"""The node's storage from its settings: the repository, the runtime resolver, the heartbeat.
+
+`AENV_REPOSITORY` picks the backend: a directory (posix_fs, `<home>/repository` by default,
+usable on a shared filesystem too) or `s3://BUCKET/PREFIX` (any S3-compatible store, reached at
+`AENV_S3_ENDPOINT` in `AENV_S3_REGION`). An s3 repository is read through a runtime cache in
+`<home>/cache` of `AENV_CACHE_CAPACITY_MIB`; a posix one is used in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Settings
+from ..paths import layers_dir, repository_dir
+from ..snapshot.repository import SnapshotRepository
+from .cache import BlobCache
+from .layers import LayerStore
+from .protocols import Repository, RuntimeResolver
+from .runtime import CachedRuntime
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Tells the repository every `interval` seconds that this node lives, so its leases hold."""
+
+    def __init__(self, repository: Repository, interval: float):
+        self._repository = repository
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aenv-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._repository.heartbeat()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._repository.heartbeat()
+            except Exception:  # the store is unreachable for now: try again next time
+                log.warning("repository heartbeat failed", exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self._interval)
+
+
+@dataclass
+class Storage:
+    """What `open_storage` made; `runtime` is None for a posix repository (the engine's default)."""
+
+    repository: Repository
+    runtime: RuntimeResolver | None
+    heartbeat: Heartbeat
+    cache: BlobCache | None = None
+
+
+def open_storage(settings: Settings, node: str) -> Storage:
+    """The repository named by the settings, its resolver and a started heartbeat."""
+    home = settings.home_path
+    if settings.repository.startswith("s3://"):
+        from .s3 import S3Location, S3Repository  # boto3 is only needed for this backend
+
+        location = S3Location.from_url(
+            settings.repository, endpoint=settings.s3_endpoint or None, region=settings.s3_region,
+            access_key=settings.s3_access_key, secret_key=settings.s3_secret_key,
+        )  # fmt: skip
+        repository: Repository = S3Repository(
+            location, home / "staging", node=node, lease_ttl=settings.lease_ttl, create_bucket=True
+        )
+        cache = BlobCache(home / "cache", settings.cache_capacity_mib << 20, repository.local_leases)
+        runtime: RuntimeResolver | None = CachedRuntime(
+            repository, LayerStore(layers_dir(home)), home / "runtime", cache
+        )
+        log.info("repository %s at %s, runtime cache %d MiB", settings.repository, location.endpoint,
+                 settings.cache_capacity_mib)  # fmt: skip
+    else:
+        root = Path(settings.repository) if settings.repository else repository_dir(home)
+        repository = SnapshotRepository(root, node=node, lease_ttl=settings.lease_ttl)
+        runtime, cache = None, None
+    heartbeat = Heartbeat(repository, settings.lease_ttl / 4)
+    heartbeat.start()
+    return Storage(repository, runtime, heartbeat, cache)

