@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
 MAX_BODY = 1 << 20
+MAX_UNIX_SECONDS = 1 << 40
+MAX_METRICS_SANDBOXES = 100  # as E2B's API
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 # The node's limits that request bodies are validated against (schemas.limits).
 LIMITS_KEY = web.AppKey("limits", dict)
@@ -276,6 +278,7 @@ class NodeAPI:
             ("POST", "/v2/sandboxes", self.create_v2),
             ("GET", "/sandboxes", self.list_running),
             ("GET", "/v2/sandboxes", self.list_v2),
+            ("GET", "/sandboxes/metrics", self.sandboxes_metrics),  # before /sandboxes/{sandboxID}
             ("GET", "/sandboxes/{sandboxID}", self.get_sandbox),
             ("DELETE", "/sandboxes/{sandboxID}", self.kill),
             ("POST", "/sandboxes/{sandboxID}/timeout", self.set_timeout),
@@ -313,6 +316,7 @@ class NodeAPI:
             traffic_access_token=record.traffic_token,
             secure=record.secure,
             public_traffic=record.network.get("allowPublicTraffic") is not False,
+            mask_request_host=record.network.get("maskRequestHost") or None,
         )
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
@@ -430,7 +434,19 @@ class NodeAPI:
         return self._created(await self.node.resume(self._id(request), body.timeout))
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.node.metrics(self._id(request)))
+        """Samples between `start` and `end` (Unix seconds, both optional), oldest first."""
+        start = _int_query(request, "start", low=0, high=MAX_UNIX_SECONDS)
+        end = _int_query(request, "end", low=0, high=MAX_UNIX_SECONDS)
+        if start is not None and end is not None and start > end:
+            raise InvalidRequest("start must not be after end")
+        return web.json_response(await self.node.metrics(self._id(request), start, end))
+
+    async def sandboxes_metrics(self, request: web.Request) -> web.Response:
+        """The newest sample of each of `sandbox_ids` (comma-separated, or the parameter repeated)."""
+        ids = [i for value in request.query.getall("sandbox_ids", []) for i in value.split(",") if i]
+        if not 1 <= len(ids) <= MAX_METRICS_SANDBOXES:
+            raise InvalidRequest(f"sandbox_ids must name 1 to {MAX_METRICS_SANDBOXES} sandboxes")
+        return web.json_response({"sandboxes": await self.node.latest_metrics(ids)})
 
     async def sandbox_logs(self, request: web.Request) -> web.Response:
         """The guest's serial console (kernel, init and envd messages), oldest first."""

@@ -106,8 +106,14 @@ class LocalNode:
     ) -> None:
         await self.orchestrator.update_network(self._sandbox(sandbox_id), allow_internet, network)
 
-    async def metrics(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return await self.orchestrator.metrics(self._sandbox(sandbox_id))
+    async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
+        return await self.orchestrator.metrics(self._sandbox(sandbox_id), start, end)
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
+        known = [
+            s for i in dict.fromkeys(sandbox_ids) if (s := self.orchestrator.sandboxes.get(i)) is not None
+        ]
+        return await self.orchestrator.latest_metrics(known)
 
     async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
