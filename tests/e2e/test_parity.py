@@ -245,3 +245,57 @@ def test_metrics_history_by_range_kept_across_pause(node: NodeServer, sandboxes:
         headers={"X-API-Key": node.key},
     )
     assert refused.status_code == 400
+
+
+def _boot_id(sandbox) -> str:
+    return sandbox.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
+
+
+def test_filesystem_only_pause_and_reboot_keep_the_disk_only(sandboxes: Sandboxes) -> None:
+    sandbox = sandboxes.create(envs={"FROM_CREATE": "yes"})
+    first_boot = _boot_id(sandbox)
+    sandbox.files.write("/home/user/kept.txt", "kept")
+    sandbox.commands.run("sleep 600", background=True)
+
+    assert sandbox.pause(mode="filesystem")
+    assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
+    booted = Sandbox.connect(sandbox.sandbox_id)
+    second_boot = _boot_id(booted)
+    assert second_boot != first_boot, "a filesystem-only pause resumes by booting afresh"
+    assert booted.files.read("/home/user/kept.txt") == "kept"
+    assert booted.commands.run("echo $FROM_CREATE").stdout == "yes\n", "envd lost the sandbox's variables"
+    assert not any(p.cmd == "sleep" or "sleep 600" in " ".join(p.args) for p in booted.commands.list())
+
+    # The booted guest pauses with its memory like any other...
+    sleeper = booted.commands.run("sleep 600", background=True)
+    assert booted.pause()
+    restored = Sandbox.connect(sandbox.sandbox_id)
+    assert _boot_id(restored) == second_boot
+    assert any(p.pid == sleeper.pid for p in restored.commands.list())
+    # ...and a resume may ignore the memory a pause kept (`on_resume="reboot"`: `memory: false`).
+    restored.files.write("/home/user/kept.txt", "kept twice")
+    restored.commands.run("sync")
+    assert restored.pause()
+    rebooted = Sandbox.connect(sandbox.sandbox_id, on_resume="reboot")
+    assert _boot_id(rebooted) not in (first_boot, second_boot)
+    assert rebooted.files.read("/home/user/kept.txt") == "kept twice"
+
+
+def test_timeout_pause_without_memory(node: NodeServer, sandboxes: Sandboxes) -> None:
+    lifecycle = {"on_timeout": {"action": "pause", "mode": "filesystem"}}
+    sandbox = sandboxes.create(lifecycle=lifecycle, timeout=20)
+    first_boot = _boot_id(sandbox)
+    sandbox.files.write("/home/user/kept.txt", "kept")
+    sandbox.commands.run("sync")
+    wait_until(lambda: Sandbox.get_info(sandbox.sandbox_id).state.value == "paused", 180, interval=1)
+    booted = Sandbox.connect(sandbox.sandbox_id)
+    assert _boot_id(booted) != first_boot
+    assert booted.files.read("/home/user/kept.txt") == "kept"
+
+    # E2B's rule: a filesystem-only auto-pause needs autoPause and excludes autoResume.
+    for body in (
+        {"templateID": "base", "autoPauseMemory": False},
+        {"templateID": "base", "autoPause": True, "autoPauseMemory": False, "autoResume": {"enabled": True}},
+    ):
+        answer = httpx.post(f"{node.url}/v2/sandboxes", json=body, headers={"X-API-Key": node.key})
+        assert answer.status_code == 400 and answer.json()["code"] == 400, answer.text

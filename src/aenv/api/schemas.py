@@ -2,7 +2,7 @@
 
 Field names are the E2B wire names (camelCase, except `allow_internet_access`). Every field the
 official SDKs send is accepted, including those this node stores without acting on (`mcp`,
-`iam`, `volumeMounts`, `autoPauseMemory`), so SDK calls never fail on them.
+`iam`, `volumeMounts`), so SDK calls never fail on them.
 
 Every constraint is checked here and declared in the models' JSON schemas, so the OpenAPI
 document states what the node accepts. Bounds that are node settings (`max_timeout`,
@@ -82,13 +82,12 @@ RefreshDuration = Annotated[StrictInt, Field(ge=0, le=3600, description="seconds
 
 def _memory_kept(value: bool) -> bool:
     if not value:
-        raise ValueError(
-            "only true is supported: pauses, snapshots and resumes always keep the sandbox's memory "
-            "(filesystem-only pauses and snapshots and cold boots are not supported)"
-        )
+        raise ValueError("only true is supported: snapshots always keep the sandbox's memory")
     return value
 
 
+# Pauses and resumes: false keeps (or uses) only the disk, and the resume boots afresh.
+Memory = Annotated[StrictBool, Field(description="false: the disk only; the resume boots the sandbox afresh")]
 MemoryFlag = Annotated[
     StrictBool,
     AfterValidator(_memory_kept),
@@ -204,13 +203,13 @@ class NewSandboxV1(NewSandbox):
 
 class ConnectSandbox(Body):
     timeout: Timeout | None = None
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
 
 
 class ResumeSandbox(Body):
     timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
 
 
 class TimeoutRequest(Body):
@@ -222,7 +221,7 @@ class RefreshRequest(Body):
 
 
 class PauseRequest(Body):
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
     require_healthy_guest: StrictBool | None = Field(default=None, alias="requireHealthyGuest")
 
 

@@ -364,13 +364,20 @@ class NodeAPI:
 
     async def _create(self, body: schemas.NewSandbox, *, secure: bool) -> web.Response:
         network = body.network.wire() if body.network else {}
+        auto_resume = bool(body.auto_resume and body.auto_resume.enabled)
         if body.allow_internet_access is False and "denyOut" not in network:
             network["denyOut"] = ["0.0.0.0/0"]
+        if body.auto_pause_memory is False and (not body.auto_pause or auto_resume):
+            raise InvalidRequest(
+                "autoPauseMemory false (a filesystem-only pause) needs autoPause and cannot be combined "
+                "with autoResume: a sandbox paused without memory is resumed explicitly, by connect"
+            )
         request = CreateRequest(
             template=body.template_id,
             timeout=body.timeout,
             auto_pause=bool(body.auto_pause),
-            auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+            auto_pause_memory=body.auto_pause_memory is not False,
+            auto_resume=auto_resume,
             secure=secure,
             allow_internet=body.allow_internet_access,
             network=network,
@@ -420,18 +427,21 @@ class NodeAPI:
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
-        await parse(request, schemas.PauseRequest, required=False)
-        await self.node.pause(self._id(request))
+        body = await parse(request, schemas.PauseRequest, required=False)
+        await self.node.pause(self._id(request), memory=body.memory is not False)
         return web.Response(status=204)
 
     async def connect(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ConnectSandbox, required=False)
-        record, resumed = await self.node.connect(self._id(request), body.timeout)
+        record, resumed = await self.node.connect(
+            self._id(request), body.timeout, memory=body.memory is not False
+        )
         return self._created(record, 201 if resumed else 200)
 
     async def resume(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ResumeSandbox, required=False)
-        return self._created(await self.node.resume(self._id(request), body.timeout))
+        memory = body.memory is not False
+        return self._created(await self.node.resume(self._id(request), body.timeout, memory=memory))
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
         """Samples between `start` and `end` (Unix seconds, both optional), oldest first."""

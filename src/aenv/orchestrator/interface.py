@@ -23,6 +23,7 @@ class CreateRequest:
     template: str
     timeout: int | None = None  # seconds; None: the node's default
     auto_pause: bool = False
+    auto_pause_memory: bool = True  # false: a timeout's pause keeps only the disk
     auto_resume: bool = False
     secure: bool = True
     allow_internet: bool | None = None
@@ -71,13 +72,18 @@ class NodeService(Protocol):
 
     async def kill(self, sandbox_id: str) -> None: ...
 
-    async def pause(self, sandbox_id: str) -> None: ...
-
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
-        """Resume a paused sandbox or extend a running one's TTL; also says whether it resumed."""
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        """Pause the sandbox; without `memory` only its disk is kept (its resume boots afresh)."""
         ...
 
-    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord: ...
+    async def connect(
+        self, sandbox_id: str, timeout: int | None, *, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox or extend a running one's TTL; also says whether it resumed.
+        Without `memory` a paused sandbox boots from its disk, whatever its pause kept."""
+        ...
+
+    async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord: ...
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None: ...
 

@@ -75,17 +75,19 @@ class LocalNode:
     async def kill(self, sandbox_id: str) -> None:
         await self.orchestrator.kill(self._sandbox(sandbox_id))
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self.orchestrator.pause(self._sandbox(sandbox_id))
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        await self.orchestrator.pause(self._sandbox(sandbox_id), memory=memory)
 
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+    async def connect(
+        self, sandbox_id: str, timeout: int | None, *, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
         sandbox = self._sandbox(sandbox_id)
-        resumed = await self.orchestrator.connect(sandbox, timeout)
+        resumed = await self.orchestrator.connect(sandbox, timeout, memory=memory)
         return sandbox.record, resumed
 
-    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+    async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord:
         sandbox = self._sandbox(sandbox_id)
-        await self.orchestrator.resume(sandbox, timeout)
+        await self.orchestrator.resume(sandbox, timeout, memory=memory)
         return sandbox.record
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:

@@ -259,6 +259,7 @@ class Orchestrator:
             end_at=rfc3339(now + timedelta(seconds=timeout)),
             timeout=timeout,
             auto_pause=request.auto_pause,
+            auto_pause_memory=request.auto_pause_memory,
             auto_resume=request.auto_resume,
             cpu_count=manifest.machine.vcpus,
             memory_mb=manifest.machine.memory_mib,
@@ -350,23 +351,27 @@ class Orchestrator:
 
     # -- operations ------------------------------------------------------------------------
 
-    async def pause(self, sandbox: Sandbox) -> None:
+    async def pause(self, sandbox: Sandbox, *, memory: bool = True) -> None:
+        """Pause the sandbox; without `memory` only its disk is kept and its resume boots afresh."""
         async with sandbox.lock:
-            await self._pause_locked(sandbox)
+            await self._pause_locked(sandbox, memory=memory)
 
-    async def _pause_locked(self, sandbox: Sandbox) -> None:
+    async def _pause_locked(self, sandbox: Sandbox, *, memory: bool = True) -> None:
         with self._transition(sandbox, Op.PAUSE):
             assert sandbox.vm is not None
             await self._save_samples(sandbox)
             try:
-                await self.engine.pause(sandbox.vm)
+                await self.engine.pause(sandbox.vm, memory=memory)
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
             sandbox.record.paused_at = rfc3339(clock.now())
             self._stopped(sandbox)
 
-    async def connect(self, sandbox: Sandbox, timeout: int | None) -> bool:
-        """Resume a paused sandbox or extend a running one's TTL; returns whether it resumed."""
+    async def connect(self, sandbox: Sandbox, timeout: int | None, *, memory: bool = True) -> bool:
+        """Resume a paused sandbox or extend a running one's TTL; returns whether it resumed.
+
+        Without `memory` a paused sandbox boots afresh from its disk, whatever its pause kept.
+        """
         timeout = self.settings.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
         async with sandbox.lock:
@@ -374,15 +379,26 @@ class Orchestrator:
                 with self._transition(sandbox, Op.EXTEND):
                     self._extend(sandbox, timeout)
                 return False
+            await self._forget_memory(sandbox, memory)
             await self._resume_locked(sandbox, timeout)
             return True
 
-    async def resume(self, sandbox: Sandbox, timeout: int | None) -> None:
+    async def resume(self, sandbox: Sandbox, timeout: int | None, *, memory: bool = True) -> None:
         """Resume a paused sandbox (409 if it runs: the legacy `/resume` route's contract)."""
         timeout = self.settings.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
         async with sandbox.lock:
+            await self._forget_memory(sandbox, memory)
             await self._resume_locked(sandbox, timeout)
+
+    async def _forget_memory(self, sandbox: Sandbox, memory: bool) -> None:
+        """A resume asked to ignore the pause's memory: make it boot from the disk (lock held)."""
+        if memory or sandbox.record.state != State.PAUSED:
+            return
+        try:
+            await self.engine.drop_memory(sandbox.id)
+        except ENGINE_FAILURES as exc:
+            raise OperationFailed(f"resuming sandbox {sandbox.id} from its disk failed: {exc}") from exc
 
     async def _resume_locked(self, sandbox: Sandbox, timeout: int) -> None:
         record = sandbox.record
@@ -583,7 +599,7 @@ class Orchestrator:
                     if record.state != State.RUNNING or _parse(record.end_at) > clock.now():
                         continue
                     if record.auto_pause:
-                        await self._pause_locked(sandbox)
+                        await self._pause_locked(sandbox, memory=record.auto_pause_memory)
                     else:
                         await self._kill_locked(sandbox)
                 log.info(

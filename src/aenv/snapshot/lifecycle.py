@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..network.egress import EgressPolicy
@@ -28,8 +28,11 @@ from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses
 from .recovery import kill_stray
+from .templates import start_runtime
 from .warm import WarmVMs
 from .warm_pool import WarmPool
+
+BOOT_TIMEOUT = 300.0  # a cold boot under TCG, on a busy host
 
 
 class Lifecycle:
@@ -89,6 +92,8 @@ class Lifecycle:
         parked = self.pauses.lot.take(state.sandbox_id)
         if parked is not None:
             return await self.pauses.resume_parked(parked, init)
+        if state.paused and state.disk_only:
+            return await self.reboot(state, init)
         if not state.paused or state.delta is None or state.devices is None:
             raise EngineError(f"sandbox {state.sandbox_id} is not paused")
         manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
@@ -97,6 +102,29 @@ class Lifecycle:
         prefix = self.host.runtime.vmstate_prefix(manifest)
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
         return await self.clones.launch(state, manifest, [Path(state.delta)], stream, init)
+
+    async def reboot(self, state: SandboxState, init: GuestInit) -> SandboxVM:
+        """Boot a sandbox paused with its disk only: a new guest on the same disk, told who it is
+        (as a template's guest: its environment, user and workdir, then its start command)."""
+        manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        await self.host.check_runnable(manifest)
+        runtime = manifest.runtime
+        init = replace(
+            init,
+            env_vars={**runtime.env_vars, **init.env_vars},
+            default_user=init.default_user or runtime.user,
+            default_workdir=init.default_workdir or runtime.workdir,
+        )
+        sandbox = await self.clones.boot(state, manifest, init, BOOT_TIMEOUT)
+        try:
+            await start_runtime(sandbox.envd, runtime, BOOT_TIMEOUT)
+        except BaseException:  # back to where it was: paused with its disk only
+            await sandbox.guest.destroy(keep_files=True)
+            self.pauses.forget_memory(state)
+            raise
+        state.disk_only = False
+        state.save(self.host.workdir(state.sandbox_id))
+        return sandbox
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         """End a running or paused sandbox and free everything it owns."""
