@@ -277,8 +277,19 @@ def test_filesystem_only_pause_and_reboot_keep_the_disk_only(sandboxes: Sandboxe
     restored.commands.run("sync")
     assert restored.pause()
     rebooted = Sandbox.connect(sandbox.sandbox_id, on_resume="reboot")
-    assert _boot_id(rebooted) not in (first_boot, second_boot)
+    third_boot = _boot_id(rebooted)
+    assert third_boot not in (first_boot, second_boot)
     assert rebooted.files.read("/home/user/kept.txt") == "kept twice"
+
+    # A filesystem-only snapshot: sandboxes created from it boot from its disk; the source runs on.
+    rebooted.files.write("/home/user/snap.txt", "in the snapshot")
+    snapshot = rebooted.create_snapshot(mode="filesystem")
+    child = sandboxes.create(snapshot.snapshot_id)
+    assert _boot_id(child) not in (first_boot, second_boot, third_boot)
+    assert child.files.read("/home/user/snap.txt") == "in the snapshot"
+    assert _boot_id(rebooted) == third_boot
+    child.kill()
+    assert Sandbox.delete_snapshot(snapshot.snapshot_id)
 
 
 def test_timeout_pause_without_memory(node: NodeServer, sandboxes: Sandboxes) -> None:

@@ -80,19 +80,9 @@ ForkCount = Annotated[
 RefreshDuration = Annotated[StrictInt, Field(ge=0, le=3600, description="seconds"), INTEGRAL]
 
 
-def _memory_kept(value: bool) -> bool:
-    if not value:
-        raise ValueError("only true is supported: snapshots always keep the sandbox's memory")
-    return value
-
-
-# Pauses and resumes: false keeps (or uses) only the disk, and the resume boots afresh.
-Memory = Annotated[StrictBool, Field(description="false: the disk only; the resume boots the sandbox afresh")]
-MemoryFlag = Annotated[
-    StrictBool,
-    AfterValidator(_memory_kept),
-    WithJsonSchema({"type": "boolean", "enum": [True], "description": "only true: memory is always kept"}),
-]
+# Pauses and snapshots: false keeps only the disk, and the sandbox boots from it afresh.
+# Resumes: false ignores any memory the pause kept.
+Memory = Annotated[StrictBool, Field(description="false: the disk only; the sandbox boots from it afresh")]
 
 # IPs and CIDRs, IPv4 or IPv6; domain names are not supported. The pattern declares what the
 # validator (Python's ipaddress) takes, in the forms clients write.
@@ -227,7 +217,7 @@ class PauseRequest(Body):
 
 class SnapshotRequest(Body):
     name: SnapshotName | None = None
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
 
 
 class ForkRequest(Body):

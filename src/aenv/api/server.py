@@ -473,7 +473,7 @@ class NodeAPI:
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)
         name = catalog_name(body.name) if body.name else None
-        manifest = await self.node.snapshot(self._id(request), name)
+        manifest = await self.node.snapshot(self._id(request), name, memory=body.memory is not False)
         return web.json_response(views.snapshot_info(manifest), status=201)
 
     async def fork(self, request: web.Request) -> web.Response:

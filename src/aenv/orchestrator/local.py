@@ -96,8 +96,8 @@ class LocalNode:
     async def refresh(self, sandbox_id: str, duration: int | None) -> None:
         await self.orchestrator.refresh(self._sandbox(sandbox_id), duration)
 
-    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotManifest:
-        return await self.orchestrator.snapshot(self._sandbox(sandbox_id), name)
+    async def snapshot(self, sandbox_id: str, name: str | None, *, memory: bool = True) -> SnapshotManifest:
+        return await self.orchestrator.snapshot(self._sandbox(sandbox_id), name, memory=memory)
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]:
         children = await self.orchestrator.fork(self._sandbox(sandbox_id), count, timeout)

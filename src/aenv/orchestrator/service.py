@@ -443,11 +443,13 @@ class Orchestrator:
                 sandbox.vm = None
                 self._forget(sandbox)
 
-    async def snapshot(self, sandbox: Sandbox, name: str | None) -> SnapshotManifest:
+    async def snapshot(self, sandbox: Sandbox, name: str | None, *, memory: bool = True) -> SnapshotManifest:
+        """Snapshot the running sandbox; without `memory` only its disk (sandboxes from it boot)."""
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
+            metadata = {"sandbox_id": sandbox.id}
             try:
-                return await self.engine.snapshot(sandbox.vm, alias=name, metadata={"sandbox_id": sandbox.id})
+                return await self.engine.snapshot(sandbox.vm, alias=name, metadata=metadata, memory=memory)
             except InvalidName as exc:
                 raise InvalidRequest(str(exc)) from exc
             except (AliasConflict, SnapshotExists) as exc:

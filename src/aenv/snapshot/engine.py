@@ -141,9 +141,14 @@ class SnapshotEngine:
         return await self.lifecycle.resume(state, init)
 
     async def snapshot(
-        self, sandbox: SandboxVM, *, alias: str | None = None, metadata: dict[str, str] | None = None
+        self,
+        sandbox: SandboxVM,
+        *,
+        alias: str | None = None,
+        metadata: dict[str, str] | None = None,
+        memory: bool = True,
     ) -> SnapshotManifest:
-        return await self.lifecycle.snapshot(sandbox, alias=alias, metadata=metadata)
+        return await self.lifecycle.snapshot(sandbox, alias=alias, metadata=metadata, memory=memory)
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)

@@ -75,9 +75,7 @@ class Pauses:
         A resume boots the guest afresh from the disk (`Lifecycle.resume`): files stay, running
         processes and memory do not. The guest must answer, since it writes its own caches out.
         """
-        code = await sandbox.envd.run("sync", timeout=SYNC_TIMEOUT)
-        if code != 0:
-            raise EngineError(f"writing out the files of sandbox {sandbox.sandbox_id} failed (sync: {code})")
+        await write_out_files(sandbox)
         await migration.stop(sandbox.vm)  # QEMU drains and flushes the disk's pending writes
         await sandbox.guest.destroy(keep_files=True)
         self.forget_memory(sandbox.state)
@@ -153,6 +151,13 @@ class Pauses:
         sandbox.state.paused = False
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
         return sandbox
+
+
+async def write_out_files(sandbox: SandboxVM) -> None:
+    """Have the guest write its cached file changes to its disk, before only the disk is kept."""
+    code = await sandbox.envd.run("sync", timeout=SYNC_TIMEOUT)
+    if code != 0:
+        raise EngineError(f"writing out the files of sandbox {sandbox.sandbox_id} failed (sync: {code})")
 
 
 def _unlink(paths: list[str | None]) -> None:
