@@ -247,6 +247,10 @@ def test_metrics_history_by_range_kept_across_pause(node: NodeServer, sandboxes:
     assert refused.status_code == 400
 
 
+# A resume or create that boots the guest (rather than restoring it) takes a while under TCG.
+BOOT_WAIT = 300
+
+
 def _boot_id(sandbox) -> str:
     return sandbox.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip()
 
@@ -259,7 +263,7 @@ def test_filesystem_only_pause_and_reboot_keep_the_disk_only(sandboxes: Sandboxe
 
     assert sandbox.pause(mode="filesystem")
     assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
-    booted = Sandbox.connect(sandbox.sandbox_id)
+    booted = Sandbox.connect(sandbox.sandbox_id, request_timeout=BOOT_WAIT)
     second_boot = _boot_id(booted)
     assert second_boot != first_boot, "a filesystem-only pause resumes by booting afresh"
     assert booted.files.read("/home/user/kept.txt") == "kept"
@@ -276,7 +280,7 @@ def test_filesystem_only_pause_and_reboot_keep_the_disk_only(sandboxes: Sandboxe
     restored.files.write("/home/user/kept.txt", "kept twice")
     restored.commands.run("sync")
     assert restored.pause()
-    rebooted = Sandbox.connect(sandbox.sandbox_id, on_resume="reboot")
+    rebooted = Sandbox.connect(sandbox.sandbox_id, on_resume="reboot", request_timeout=BOOT_WAIT)
     third_boot = _boot_id(rebooted)
     assert third_boot not in (first_boot, second_boot)
     assert rebooted.files.read("/home/user/kept.txt") == "kept twice"
@@ -284,7 +288,7 @@ def test_filesystem_only_pause_and_reboot_keep_the_disk_only(sandboxes: Sandboxe
     # A filesystem-only snapshot: sandboxes created from it boot from its disk; the source runs on.
     rebooted.files.write("/home/user/snap.txt", "in the snapshot")
     snapshot = rebooted.create_snapshot(mode="filesystem")
-    child = sandboxes.create(snapshot.snapshot_id)
+    child = sandboxes.create(snapshot.snapshot_id, request_timeout=BOOT_WAIT)
     assert _boot_id(child) not in (first_boot, second_boot, third_boot)
     assert child.files.read("/home/user/snap.txt") == "in the snapshot"
     assert _boot_id(rebooted) == third_boot
@@ -299,7 +303,7 @@ def test_timeout_pause_without_memory(node: NodeServer, sandboxes: Sandboxes) ->
     sandbox.files.write("/home/user/kept.txt", "kept")
     sandbox.commands.run("sync")
     wait_until(lambda: Sandbox.get_info(sandbox.sandbox_id).state.value == "paused", 180, interval=1)
-    booted = Sandbox.connect(sandbox.sandbox_id)
+    booted = Sandbox.connect(sandbox.sandbox_id, request_timeout=BOOT_WAIT)
     assert _boot_id(booted) != first_boot
     assert booted.files.read("/home/user/kept.txt") == "kept"
 
