@@ -8,6 +8,7 @@ warm pool before the repository lets it go).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import datetime
 from typing import Any
@@ -112,9 +113,10 @@ class LocalNode:
         return await self.orchestrator.metrics(self._sandbox(sandbox_id), start, end)
 
     async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
-        known = [
-            s for i in dict.fromkeys(sandbox_ids) if (s := self.orchestrator.sandboxes.get(i)) is not None
-        ]
+        known = []
+        for sandbox_id in dict.fromkeys(sandbox_ids):
+            with contextlib.suppress(NotFound):
+                known.append(self._sandbox(sandbox_id))
         return await self.orchestrator.latest_metrics(known)
 
     async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
