@@ -16,7 +16,7 @@ from . import ENVD_VERSION
 from .connect import ConnectError, loads
 from .httperr import UNAUTHORIZED, json_error
 from .inputs import c_string, path_string, string_map, text
-from .metrics import CPUSampler, MetricsHistory, sample
+from .metrics import MetricsHistory, Sample, render, take
 from .state import State, same_secret
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ def add_entropy(data: bytes) -> bool:
 class SystemAPI:
     def __init__(self, state: State, history: MetricsHistory) -> None:
         self.state = state
-        self.cpu = CPUSampler()
         self.history = history
+        self._last: Sample | None = None  # /metrics reports CPU use since the previous call
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -129,7 +129,10 @@ class SystemAPI:
         return web.json_response(self.state.env_vars)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.json_response(sample(self.cpu))
+        now = take()
+        answer = render(now, self._last)
+        self._last = now
+        return web.json_response(answer)
 
     async def metrics_history(self, request: web.Request) -> web.Response:
         """The samples kept since `start` until `end` (Unix seconds, both optional), oldest first."""
