@@ -126,16 +126,13 @@ def test_bad_bodies_for_a_running_sandbox(api: httpx.Client, sandboxes: Sandboxe
         ("POST", "pause", b'{"memory": "no"}'),
         ("POST", "pause", b"[1]"),
         ("POST", "connect", b'{"timeout": "x"}'),
-        ("POST", "connect", b'{"memory": false}'),
         ("POST", "connect", DEEP),
         *(("POST", "connect", b'{"timeout": ' + t + b"}") for t in HUGE_TIMEOUTS),
         *(("POST", "fork", b'{"timeout": ' + t + b"}") for t in HUGE_TIMEOUTS),
         *(("POST", "timeout", b'{"timeout": ' + t + b"}") for t in HUGE_TIMEOUTS),
-        ("POST", "pause", b'{"memory": false}'),
         ("POST", "snapshots", b'{"name": "bad name with spaces"}'),
         ("POST", "snapshots", b'{"name": 7}'),
         ("POST", "snapshots", b'{"name": "Upper/Case:1.0"}'),
-        ("POST", "snapshots", b'{"memory": false}'),
         ("POST", "fork", b'{"count": 0}'),
         ("POST", "fork", b'{"count": 17}'),
         ("POST", "fork", b'{"count": 1000}'),
@@ -269,7 +266,8 @@ def test_openapi_declares_constraints(api: httpx.Client) -> None:
     connect = document["components"]["schemas"]["ConnectSandbox"]["properties"]
     timeout = next(b for b in connect["timeout"]["anyOf"] if b.get("type") == "integer")
     assert timeout["maximum"] == 24 * 3600
-    assert {"enum": [True]}.items() <= next(b for b in connect["memory"]["anyOf"] if "enum" in b).items()
+    snapshot = document["components"]["schemas"]["SnapshotRequest"]["properties"]
+    assert next(b for b in snapshot["memory"]["anyOf"] if b.get("type") != "null")["type"] == "boolean"
 
 
 def test_node_still_healthy(node: NodeServer, api: httpx.Client) -> None:

@@ -190,6 +190,23 @@ def test_metrics(envd_server):
     assert m["mem_total"] > m["mem_used"] > 0 and m["disk_total"] > 0
 
 
+def test_metrics_history(envd_server):
+    """envd samples at start-up and every interval after; the node asks for a range of them."""
+    url = envd_server.url + "/metrics/history"
+    history = httpx.get(url, headers=_headers(envd_server)).json()
+    assert history["interval"] > 0 and history["samples"], history
+    first = history["samples"][0]
+    assert first["mem_total"] > 0 and "cpu_used_pct" in first and "disk_used" in first
+    stamps = [s["ts"] for s in history["samples"]]
+    assert stamps == sorted(stamps)
+    later = httpx.get(url, params={"start": stamps[-1] + 1}, headers=_headers(envd_server)).json()
+    assert all(s["ts"] > stamps[-1] for s in later["samples"])
+    before = httpx.get(url, params={"end": first["ts"] - 1}, headers=_headers(envd_server)).json()
+    assert before["samples"] == []
+    assert httpx.get(url, params={"start": "soon"}, headers=_headers(envd_server)).status_code == 400
+    assert httpx.get(url).status_code == 401  # the access token guards it like /metrics
+
+
 def test_health_reports_version(envd_server):
     r = httpx.get(envd_server.url + "/health")
     assert r.status_code == 204 and r.headers["X-Envd-Version"] == ENVD_VERSION

@@ -22,7 +22,7 @@ import posixpath
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from urllib.parse import unquote
 
@@ -89,6 +89,9 @@ class SandboxAccess:
     traffic_access_token: str | None
     secure: bool
     public_traffic: bool
+    # E2B's `maskRequestHost`: the Host header the guest's servers see on other ports than envd's,
+    # with `${PORT}` standing for the port (for servers that answer only their public name).
+    mask_request_host: str | None = None
 
 
 @dataclass
@@ -130,6 +133,7 @@ class ProxyRoute:
     sandbox_id: str
     port: int
     target: str
+    host: str | None = None  # the Host header sent upstream instead of the client's
 
     @property
     def path(self) -> str:
@@ -504,6 +508,8 @@ class SandboxProxy:
             return _sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
         if (denied := self._denied(request, route, access)) is not None:
             return denied
+        if access.mask_request_host and route.port != ENVD_PORT:
+            route = replace(route, host=access.mask_request_host.replace("${PORT}", str(route.port)))
         try:
             target = await self._resolver.proxy_target(route.sandbox_id, resume=True)
         except TimeoutError:
@@ -527,9 +533,13 @@ class SandboxProxy:
 
     def _request_head(self, request: web.Request, route: ProxyRoute, extra: list[str]) -> bytes:
         dropped = _NOT_FORWARDED | _connection_tokens(request.headers)
+        if route.host is not None:
+            dropped |= {"host"}
         lines = [f"{request.method} {route.target} HTTP/1.1"]
         lines += [f"{k}: {v}" for k, v in request.headers.items() if k.lower() not in dropped]
-        if "Host" not in request.headers:
+        if route.host is not None:
+            lines.append(f"Host: {route.host}")
+        elif "Host" not in request.headers:
             lines.append(f"Host: {GUEST_ADDRESS}:{route.port}")
         forwarded_for = [*request.headers.getall("X-Forwarded-For", ()), request.remote or ""]
         lines.append("X-Forwarded-For: " + ", ".join(v for v in forwarded_for if v))

@@ -2,7 +2,7 @@
 
 Field names are the E2B wire names (camelCase, except `allow_internet_access`). Every field the
 official SDKs send is accepted, including those this node stores without acting on (`mcp`,
-`iam`, `volumeMounts`, `autoPauseMemory`), so SDK calls never fail on them.
+`iam`, `volumeMounts`), so SDK calls never fail on them.
 
 Every constraint is checked here and declared in the models' JSON schemas, so the OpenAPI
 document states what the node accepts. Bounds that are node settings (`max_timeout`,
@@ -80,20 +80,9 @@ ForkCount = Annotated[
 RefreshDuration = Annotated[StrictInt, Field(ge=0, le=3600, description="seconds"), INTEGRAL]
 
 
-def _memory_kept(value: bool) -> bool:
-    if not value:
-        raise ValueError(
-            "only true is supported: pauses, snapshots and resumes always keep the sandbox's memory "
-            "(filesystem-only pauses and snapshots and cold boots are not supported)"
-        )
-    return value
-
-
-MemoryFlag = Annotated[
-    StrictBool,
-    AfterValidator(_memory_kept),
-    WithJsonSchema({"type": "boolean", "enum": [True], "description": "only true: memory is always kept"}),
-]
+# Pauses and snapshots: false keeps only the disk, and the sandbox boots from it afresh.
+# Resumes: false ignores any memory the pause kept.
+Memory = Annotated[StrictBool, Field(description="false: the disk only; the sandbox boots from it afresh")]
 
 # IPs and CIDRs, IPv4 or IPv6; domain names are not supported. The pattern declares what the
 # validator (Python's ipaddress) takes, in the forms clients write.
@@ -204,13 +193,13 @@ class NewSandboxV1(NewSandbox):
 
 class ConnectSandbox(Body):
     timeout: Timeout | None = None
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
 
 
 class ResumeSandbox(Body):
     timeout: Timeout | None = None
     auto_pause: StrictBool | None = Field(default=None, alias="autoPause")
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
 
 
 class TimeoutRequest(Body):
@@ -222,13 +211,13 @@ class RefreshRequest(Body):
 
 
 class PauseRequest(Body):
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
     require_healthy_guest: StrictBool | None = Field(default=None, alias="requireHealthyGuest")
 
 
 class SnapshotRequest(Body):
     name: SnapshotName | None = None
-    memory: MemoryFlag | None = None
+    memory: Memory | None = None
 
 
 class ForkRequest(Body):

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
 MAX_BODY = 1 << 20
+MAX_UNIX_SECONDS = 1 << 40
+MAX_METRICS_SANDBOXES = 100  # as E2B's API
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 # The node's limits that request bodies are validated against (schemas.limits).
 LIMITS_KEY = web.AppKey("limits", dict)
@@ -276,6 +278,7 @@ class NodeAPI:
             ("POST", "/v2/sandboxes", self.create_v2),
             ("GET", "/sandboxes", self.list_running),
             ("GET", "/v2/sandboxes", self.list_v2),
+            ("GET", "/sandboxes/metrics", self.sandboxes_metrics),  # before /sandboxes/{sandboxID}
             ("GET", "/sandboxes/{sandboxID}", self.get_sandbox),
             ("DELETE", "/sandboxes/{sandboxID}", self.kill),
             ("POST", "/sandboxes/{sandboxID}/timeout", self.set_timeout),
@@ -313,6 +316,7 @@ class NodeAPI:
             traffic_access_token=record.traffic_token,
             secure=record.secure,
             public_traffic=record.network.get("allowPublicTraffic") is not False,
+            mask_request_host=record.network.get("maskRequestHost") or None,
         )
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
@@ -360,13 +364,20 @@ class NodeAPI:
 
     async def _create(self, body: schemas.NewSandbox, *, secure: bool) -> web.Response:
         network = body.network.wire() if body.network else {}
+        auto_resume = bool(body.auto_resume and body.auto_resume.enabled)
         if body.allow_internet_access is False and "denyOut" not in network:
             network["denyOut"] = ["0.0.0.0/0"]
+        if body.auto_pause_memory is False and (not body.auto_pause or auto_resume):
+            raise InvalidRequest(
+                "autoPauseMemory false (a filesystem-only pause) needs autoPause and cannot be combined "
+                "with autoResume: a sandbox paused without memory is resumed explicitly, by connect"
+            )
         request = CreateRequest(
             template=body.template_id,
             timeout=body.timeout,
             auto_pause=bool(body.auto_pause),
-            auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+            auto_pause_memory=body.auto_pause_memory is not False,
+            auto_resume=auto_resume,
             secure=secure,
             allow_internet=body.allow_internet_access,
             network=network,
@@ -416,21 +427,36 @@ class NodeAPI:
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
-        await parse(request, schemas.PauseRequest, required=False)
-        await self.node.pause(self._id(request))
+        body = await parse(request, schemas.PauseRequest, required=False)
+        await self.node.pause(self._id(request), memory=body.memory is not False)
         return web.Response(status=204)
 
     async def connect(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ConnectSandbox, required=False)
-        record, resumed = await self.node.connect(self._id(request), body.timeout)
+        record, resumed = await self.node.connect(
+            self._id(request), body.timeout, memory=body.memory is not False
+        )
         return self._created(record, 201 if resumed else 200)
 
     async def resume(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.ResumeSandbox, required=False)
-        return self._created(await self.node.resume(self._id(request), body.timeout))
+        memory = body.memory is not False
+        return self._created(await self.node.resume(self._id(request), body.timeout, memory=memory))
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.node.metrics(self._id(request)))
+        """Samples between `start` and `end` (Unix seconds, both optional), oldest first."""
+        start = _int_query(request, "start", low=0, high=MAX_UNIX_SECONDS)
+        end = _int_query(request, "end", low=0, high=MAX_UNIX_SECONDS)
+        if start is not None and end is not None and start > end:
+            raise InvalidRequest("start must not be after end")
+        return web.json_response(await self.node.metrics(self._id(request), start, end))
+
+    async def sandboxes_metrics(self, request: web.Request) -> web.Response:
+        """The newest sample of each of `sandbox_ids` (comma-separated, or the parameter repeated)."""
+        ids = [i for value in request.query.getall("sandbox_ids", []) for i in value.split(",") if i]
+        if not 1 <= len(ids) <= MAX_METRICS_SANDBOXES:
+            raise InvalidRequest(f"sandbox_ids must name 1 to {MAX_METRICS_SANDBOXES} sandboxes")
+        return web.json_response({"sandboxes": await self.node.latest_metrics(ids)})
 
     async def sandbox_logs(self, request: web.Request) -> web.Response:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
@@ -447,7 +473,7 @@ class NodeAPI:
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)
         name = catalog_name(body.name) if body.name else None
-        manifest = await self.node.snapshot(self._id(request), name)
+        manifest = await self.node.snapshot(self._id(request), name, memory=body.memory is not False)
         return web.json_response(views.snapshot_info(manifest), status=201)
 
     async def fork(self, request: web.Request) -> web.Response:

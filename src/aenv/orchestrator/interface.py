@@ -23,6 +23,7 @@ class CreateRequest:
     template: str
     timeout: int | None = None  # seconds; None: the node's default
     auto_pause: bool = False
+    auto_pause_memory: bool = True  # false: a timeout's pause keeps only the disk
     auto_resume: bool = False
     secure: bool = True
     allow_internet: bool | None = None
@@ -71,19 +72,26 @@ class NodeService(Protocol):
 
     async def kill(self, sandbox_id: str) -> None: ...
 
-    async def pause(self, sandbox_id: str) -> None: ...
-
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
-        """Resume a paused sandbox or extend a running one's TTL; also says whether it resumed."""
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        """Pause the sandbox; without `memory` only its disk is kept (its resume boots afresh)."""
         ...
 
-    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord: ...
+    async def connect(
+        self, sandbox_id: str, timeout: int | None, *, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
+        """Resume a paused sandbox or extend a running one's TTL; also says whether it resumed.
+        Without `memory` a paused sandbox boots from its disk, whatever its pause kept."""
+        ...
+
+    async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord: ...
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None: ...
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> None: ...
 
-    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotManifest: ...
+    async def snapshot(self, sandbox_id: str, name: str | None, *, memory: bool = True) -> SnapshotManifest:
+        """Snapshot a running sandbox; without `memory` only its disk (sandboxes from it boot)."""
+        ...
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]: ...
 
@@ -91,7 +99,13 @@ class NodeService(Protocol):
         self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
     ) -> None: ...
 
-    async def metrics(self, sandbox_id: str) -> list[dict[str, Any]]: ...
+    async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
+        """E2B `SandboxMetric`s of the sandbox between `start` and `end` (Unix seconds), oldest first."""
+        ...
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The newest `SandboxMetric` of each known sandbox among `sandbox_ids`; unknown ones are left out."""
+        ...
 
     async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]: ...
 

@@ -8,6 +8,7 @@ warm pool before the repository lets it go).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import datetime
 from typing import Any
@@ -75,17 +76,19 @@ class LocalNode:
     async def kill(self, sandbox_id: str) -> None:
         await self.orchestrator.kill(self._sandbox(sandbox_id))
 
-    async def pause(self, sandbox_id: str) -> None:
-        await self.orchestrator.pause(self._sandbox(sandbox_id))
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        await self.orchestrator.pause(self._sandbox(sandbox_id), memory=memory)
 
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+    async def connect(
+        self, sandbox_id: str, timeout: int | None, *, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
         sandbox = self._sandbox(sandbox_id)
-        resumed = await self.orchestrator.connect(sandbox, timeout)
+        resumed = await self.orchestrator.connect(sandbox, timeout, memory=memory)
         return sandbox.record, resumed
 
-    async def resume(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+    async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord:
         sandbox = self._sandbox(sandbox_id)
-        await self.orchestrator.resume(sandbox, timeout)
+        await self.orchestrator.resume(sandbox, timeout, memory=memory)
         return sandbox.record
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
@@ -94,8 +97,8 @@ class LocalNode:
     async def refresh(self, sandbox_id: str, duration: int | None) -> None:
         await self.orchestrator.refresh(self._sandbox(sandbox_id), duration)
 
-    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotManifest:
-        return await self.orchestrator.snapshot(self._sandbox(sandbox_id), name)
+    async def snapshot(self, sandbox_id: str, name: str | None, *, memory: bool = True) -> SnapshotManifest:
+        return await self.orchestrator.snapshot(self._sandbox(sandbox_id), name, memory=memory)
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]:
         children = await self.orchestrator.fork(self._sandbox(sandbox_id), count, timeout)
@@ -106,8 +109,15 @@ class LocalNode:
     ) -> None:
         await self.orchestrator.update_network(self._sandbox(sandbox_id), allow_internet, network)
 
-    async def metrics(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return await self.orchestrator.metrics(self._sandbox(sandbox_id))
+    async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
+        return await self.orchestrator.metrics(self._sandbox(sandbox_id), start, end)
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
+        known = []
+        for sandbox_id in dict.fromkeys(sandbox_ids):
+            with contextlib.suppress(NotFound):
+                known.append(self._sandbox(sandbox_id))
+        return await self.orchestrator.latest_metrics(known)
 
     async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
         """The guest's serial console (kernel, init and envd messages), oldest first."""

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from http.client import HTTPException
 from typing import Any
 
 from .. import clock
@@ -35,6 +36,7 @@ from ..snapshot.repository import (
 )
 from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError
 from .interface import CreateRequest
+from .metrics import MetricsArchive, between, merge, sandbox_metric
 from .states import Op, State, Transition, transition
 from .store import SandboxRecord, SandboxStore
 
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DISK_SIZE_MB = 4096
 AUTO_RESUME_MIN_TIMEOUT = 300
+# The cluster-wide metrics view asks each guest for this much of its history, not all of it.
+RECENT_SECONDS = 60
 LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with the reason)
 # What the engine raises when an operation fails for a reason outside this process's code: QEMU,
 # QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
@@ -255,6 +259,7 @@ class Orchestrator:
             end_at=rfc3339(now + timedelta(seconds=timeout)),
             timeout=timeout,
             auto_pause=request.auto_pause,
+            auto_pause_memory=request.auto_pause_memory,
             auto_resume=request.auto_resume,
             cpu_count=manifest.machine.vcpus,
             memory_mb=manifest.machine.memory_mib,
@@ -346,22 +351,27 @@ class Orchestrator:
 
     # -- operations ------------------------------------------------------------------------
 
-    async def pause(self, sandbox: Sandbox) -> None:
+    async def pause(self, sandbox: Sandbox, *, memory: bool = True) -> None:
+        """Pause the sandbox; without `memory` only its disk is kept and its resume boots afresh."""
         async with sandbox.lock:
-            await self._pause_locked(sandbox)
+            await self._pause_locked(sandbox, memory=memory)
 
-    async def _pause_locked(self, sandbox: Sandbox) -> None:
+    async def _pause_locked(self, sandbox: Sandbox, *, memory: bool = True) -> None:
         with self._transition(sandbox, Op.PAUSE):
             assert sandbox.vm is not None
+            await self._save_samples(sandbox)
             try:
-                await self.engine.pause(sandbox.vm)
+                await self.engine.pause(sandbox.vm, memory=memory)
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
             sandbox.record.paused_at = rfc3339(clock.now())
             self._stopped(sandbox)
 
-    async def connect(self, sandbox: Sandbox, timeout: int | None) -> bool:
-        """Resume a paused sandbox or extend a running one's TTL; returns whether it resumed."""
+    async def connect(self, sandbox: Sandbox, timeout: int | None, *, memory: bool = True) -> bool:
+        """Resume a paused sandbox or extend a running one's TTL; returns whether it resumed.
+
+        Without `memory` a paused sandbox boots afresh from its disk, whatever its pause kept.
+        """
         timeout = self.settings.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
         async with sandbox.lock:
@@ -369,15 +379,26 @@ class Orchestrator:
                 with self._transition(sandbox, Op.EXTEND):
                     self._extend(sandbox, timeout)
                 return False
+            await self._forget_memory(sandbox, memory)
             await self._resume_locked(sandbox, timeout)
             return True
 
-    async def resume(self, sandbox: Sandbox, timeout: int | None) -> None:
+    async def resume(self, sandbox: Sandbox, timeout: int | None, *, memory: bool = True) -> None:
         """Resume a paused sandbox (409 if it runs: the legacy `/resume` route's contract)."""
         timeout = self.settings.default_timeout if timeout is None else timeout
         self._check_timeout(timeout)
         async with sandbox.lock:
+            await self._forget_memory(sandbox, memory)
             await self._resume_locked(sandbox, timeout)
+
+    async def _forget_memory(self, sandbox: Sandbox, memory: bool) -> None:
+        """A resume asked to ignore the pause's memory: make it boot from the disk (lock held)."""
+        if memory or sandbox.record.state != State.PAUSED:
+            return
+        try:
+            await self.engine.drop_memory(sandbox.id)
+        except ENGINE_FAILURES as exc:
+            raise OperationFailed(f"resuming sandbox {sandbox.id} from its disk failed: {exc}") from exc
 
     async def _resume_locked(self, sandbox: Sandbox, timeout: int) -> None:
         record = sandbox.record
@@ -422,11 +443,13 @@ class Orchestrator:
                 sandbox.vm = None
                 self._forget(sandbox)
 
-    async def snapshot(self, sandbox: Sandbox, name: str | None) -> SnapshotManifest:
+    async def snapshot(self, sandbox: Sandbox, name: str | None, *, memory: bool = True) -> SnapshotManifest:
+        """Snapshot the running sandbox; without `memory` only its disk (sandboxes from it boot)."""
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
+            metadata = {"sandbox_id": sandbox.id}
             try:
-                return await self.engine.snapshot(sandbox.vm, alias=name, metadata={"sandbox_id": sandbox.id})
+                return await self.engine.snapshot(sandbox.vm, alias=name, metadata=metadata, memory=memory)
             except InvalidName as exc:
                 raise InvalidRequest(str(exc)) from exc
             except (AliasConflict, SnapshotExists) as exc:
@@ -493,24 +516,53 @@ class Orchestrator:
             sandbox.record.network = merged
             sandbox.record.allow_internet = allow_internet
 
-    async def metrics(self, sandbox: Sandbox) -> list[dict[str, Any]]:
-        if sandbox.record.state != State.RUNNING or sandbox.vm is None:
+    # -- metrics history -------------------------------------------------------------------
+
+    def _archive(self, sandbox: Sandbox) -> MetricsArchive:
+        return MetricsArchive(self.engine.workdir(sandbox.id))
+
+    async def _live_samples(self, sandbox: Sandbox, start: int | None) -> list[dict[str, Any]]:
+        """The samples in the guest's ring since `start`; none without a VM or if envd does not answer."""
+        if sandbox.vm is None:
             return []
-        sample = await sandbox.vm.envd.metrics()
-        now = clock.now()
-        return [
-            {
-                "timestamp": rfc3339(now),
-                "timestampUnix": int(now.timestamp()),
-                "cpuCount": sample.get("cpu_count", sandbox.record.cpu_count),
-                "cpuUsedPct": sample.get("cpu_used_pct", 0.0),
-                "memUsed": sample.get("mem_used", 0),
-                "memTotal": sample.get("mem_total", 0),
-                "memCache": sample.get("mem_cache", 0),
-                "diskUsed": sample.get("disk_used", 0),
-                "diskTotal": sample.get("disk_total", 0),
-            }
-        ]
+        try:
+            return await sandbox.vm.envd.metrics_history(start)
+        except (OSError, RuntimeError, ValueError, KeyError, HTTPException) as exc:
+            log.warning("metrics of sandbox %s: envd did not answer: %s", sandbox.id, exc)
+            return []
+
+    async def _save_samples(self, sandbox: Sandbox) -> None:
+        """Before a pause: keep the guest's samples with the sandbox, for while it is paused and
+        for a resume that boots a new guest (a filesystem-only pause)."""
+        archive = self._archive(sandbox)
+        newest = archive.newest()
+        samples = await self._live_samples(sandbox, None if newest is None else newest + 1)
+        if samples:
+            with contextlib.suppress(OSError):
+                archive.add(samples)
+
+    async def metrics(self, sandbox: Sandbox, start: int | None, end: int | None) -> list[dict[str, Any]]:
+        """The sandbox's samples with `start <= time <= end` (Unix seconds), oldest first.
+
+        A guest's ring may hold samples from before the sandbox existed (its template's or fork
+        source's): only the sandbox's own lifetime counts.
+        """
+        born = int(_parse(sandbox.record.created_at).timestamp())
+        start = born if start is None else max(start, born)
+        live = await self._live_samples(sandbox, start) if sandbox.record.state == State.RUNNING else []
+        samples = merge(self._archive(sandbox).load(), live)
+        return [sandbox_metric(s, sandbox.record.cpu_count) for s in between(samples, start, end)]
+
+    async def latest_metrics(self, sandboxes: list[Sandbox]) -> dict[str, dict[str, Any]]:
+        """Each sandbox's newest sample (the cluster-wide view); sandboxes without one are left out."""
+        recent = int(time.time()) - RECENT_SECONDS
+
+        async def newest(sandbox: Sandbox) -> dict[str, Any] | None:
+            samples = await self.metrics(sandbox, recent, None) or await self.metrics(sandbox, None, None)
+            return samples[-1] if samples else None
+
+        found = await asyncio.gather(*(newest(s) for s in sandboxes))
+        return {s.id: metric for s, metric in zip(sandboxes, found, strict=True) if metric is not None}
 
     # -- proxy support ---------------------------------------------------------------------
 
@@ -549,7 +601,7 @@ class Orchestrator:
                     if record.state != State.RUNNING or _parse(record.end_at) > clock.now():
                         continue
                     if record.auto_pause:
-                        await self._pause_locked(sandbox)
+                        await self._pause_locked(sandbox, memory=record.auto_pause_memory)
                     else:
                         await self._kill_locked(sandbox)
                 log.info(

@@ -37,6 +37,7 @@ class SandboxRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     paused_at: str | None = None
+    auto_pause_memory: bool = True  # false: a timeout's pause keeps only the disk
 
     def __post_init__(self) -> None:
         self.state = State(self.state)  # rows store the state's plain string

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..network.netns import SandboxNetwork
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
-from ..vmm.launcher import GuestVM, guest_machine
+from ..vmm.launcher import GuestVM, boot_guest, guest_machine
 from ..vmm.machine import MachineConfig, MemoryMode, VirtualMachine
 from . import memory
 from .host import Host
@@ -95,6 +95,21 @@ class Clones:
             network.destroy()
             raise
         return await self.identify(state, manifest, vm, network, init)
+
+    async def boot(
+        self, state: SandboxState, manifest: SnapshotManifest, init: GuestInit, ready_timeout: float
+    ) -> SandboxVM:
+        """Boot the sandbox's guest afresh from its disk (a filesystem-only pause's resume).
+
+        The machine is a clone's (RAM a private mapping of the snapshot's memory image), so later
+        pauses, snapshots and forks of the sandbox capture it like any other.
+        """
+        network = await self.host.network(state.network_name, state.egress)
+        state.network_name = network.name
+        config = self.config(manifest, state.disk_layers[-1])
+        workdir = self.host.workdir(state.sandbox_id)
+        guest = await boot_guest(config, workdir, network=network, ready_timeout=ready_timeout)
+        return await self.identify(state, manifest, guest.vm, network, init, guest.envd)
 
     async def identify(
         self,

@@ -130,16 +130,25 @@ class SnapshotEngine:
     ) -> SandboxVM:
         return await self.lifecycle.start(snapshot, sandbox_id, init, policy)
 
-    async def pause(self, sandbox: SandboxVM) -> SandboxState:
-        return await self.pauses.pause(sandbox)
+    async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
+        return await self.pauses.pause(sandbox, memory=memory)
+
+    async def drop_memory(self, sandbox_id: str) -> None:
+        """Make a paused sandbox's next resume boot from its disk, whatever its pause kept."""
+        await self.pauses.drop_memory(sandbox_id)
 
     async def resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
         return await self.lifecycle.resume(state, init)
 
     async def snapshot(
-        self, sandbox: SandboxVM, *, alias: str | None = None, metadata: dict[str, str] | None = None
+        self,
+        sandbox: SandboxVM,
+        *,
+        alias: str | None = None,
+        metadata: dict[str, str] | None = None,
+        memory: bool = True,
     ) -> SnapshotManifest:
-        return await self.lifecycle.snapshot(sandbox, alias=alias, metadata=metadata)
+        return await self.lifecycle.snapshot(sandbox, alias=alias, metadata=metadata, memory=memory)
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)

@@ -14,22 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..storage.layers import new_layer_id
 from ..vmm import migration
-from . import devstate, memory
+from . import devstate
+from . import memory as memory_pages
 from .clones import Clones
 from .host import Host
 from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
-from .pausing import Pauses
+from .pausing import Pauses, write_out_files
 from .recovery import kill_stray
+from .templates import start_runtime
 from .warm import WarmVMs
 from .warm_pool import WarmPool
+
+BOOT_TIMEOUT = 300.0  # a cold boot under TCG, on a busy host
+# Metadata of a filesystem-only snapshot (no memory): sandboxes started from it boot from its disk.
+DISK_ONLY = "aenv.disk-only"
 
 
 class Lifecycle:
@@ -73,6 +79,8 @@ class Lifecycle:
             policy=asdict(policy),
         )
         try:
+            if manifest.metadata.get(DISK_ONLY):
+                return await self._boot(state, manifest, init)
             if warm is not None:
                 return await self.warm.claim(warm, state, manifest, init, policy)
             runtime = host.runtime
@@ -89,6 +97,8 @@ class Lifecycle:
         parked = self.pauses.lot.take(state.sandbox_id)
         if parked is not None:
             return await self.pauses.resume_parked(parked, init)
+        if state.paused and state.disk_only:
+            return await self.reboot(state, init)
         if not state.paused or state.delta is None or state.devices is None:
             raise EngineError(f"sandbox {state.sandbox_id} is not paused")
         manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
@@ -98,6 +108,37 @@ class Lifecycle:
         prefix = self.host.runtime.vmstate_prefix(manifest)
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
         return await self.clones.launch(state, manifest, [Path(state.delta)], stream, init)
+
+    async def reboot(self, state: SandboxState, init: GuestInit) -> SandboxVM:
+        """Boot a sandbox paused with its disk only: a new guest on the same disk."""
+        manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        await self.host.check_runnable(manifest)
+        try:
+            sandbox = await self._boot(state, manifest, init)
+        except BaseException:  # back to where it was: paused with its disk only
+            self.pauses.forget_memory(state)
+            raise
+        state.disk_only = False
+        state.save(self.host.workdir(state.sandbox_id))
+        return sandbox
+
+    async def _boot(self, state: SandboxState, manifest: SnapshotManifest, init: GuestInit) -> SandboxVM:
+        """Boot the sandbox's disk and tell the guest who it is, as a template's guest is told:
+        its environment, user and workdir, then its start command until the ready check passes."""
+        runtime = manifest.runtime
+        init = replace(
+            init,
+            env_vars={**runtime.env_vars, **init.env_vars},
+            default_user=init.default_user or runtime.user,
+            default_workdir=init.default_workdir or runtime.workdir,
+        )
+        sandbox = await self.clones.boot(state, manifest, init, BOOT_TIMEOUT)
+        try:
+            await start_runtime(sandbox.envd, runtime, BOOT_TIMEOUT)
+        except BaseException:
+            await sandbox.guest.destroy(keep_files=True)
+            raise
+        return sandbox
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         """End a running or paused sandbox and free everything it owns."""
@@ -124,18 +165,31 @@ class Lifecycle:
         sandbox.state.save(sandbox.guest.workdir)
 
     async def snapshot(
-        self, sandbox: SandboxVM, *, alias: str | None = None, metadata: dict[str, str] | None = None
+        self,
+        sandbox: SandboxVM,
+        *,
+        alias: str | None = None,
+        metadata: dict[str, str] | None = None,
+        memory: bool = True,
     ) -> SnapshotManifest:
-        """Commit a snapshot of a running sandbox; it is stopped only for the capture."""
+        """Commit a snapshot of a running sandbox; it is stopped only for the capture.
+
+        Without `memory` only the disk is kept (the guest writes its files out first), and
+        sandboxes started from the snapshot boot from it.
+        """
         host = self.host
         staging = host.repository.staging_dir()
         state = sandbox.state
         sealed = state.disk_layers[-1]
+        captured: tuple[Path, memory_pages.DeltaInfo] | None = None
         try:
             new_top = new_layer_id()
             new_node = f"n{new_top}"
+            if not memory:
+                await write_out_files(sandbox)
             async with migration.stopped(sandbox.vm, resume=True):
-                devices, delta = await self.clones.capture(sandbox, staging, "snapshot")
+                if memory:
+                    captured = await self.clones.capture(sandbox, staging, "snapshot")
                 await migration.seal_disk(sandbox.vm, sandbox.root_node, host.layers.path(new_top), new_node)
             host.layers.seal(sealed)
             sandbox.root_node = new_node
@@ -143,7 +197,7 @@ class Lifecycle:
             state.save(host.workdir(state.sandbox_id))
             layers = state.disk_layers[:-1]
             return await asyncio.to_thread(
-                self._commit_snapshot, sandbox, devices, delta, layers, alias, metadata or {}
+                self._commit_snapshot, sandbox, captured, layers, alias, metadata or {}
             )
         finally:
             host.repository.discard_staging(staging)
@@ -151,16 +205,23 @@ class Lifecycle:
     def _commit_snapshot(
         self,
         sandbox: SandboxVM,
-        devices: Path,
-        delta: memory.DeltaInfo,
+        captured: tuple[Path, memory_pages.DeltaInfo] | None,
         layers: list[str],
         alias: str | None,
         metadata: dict[str, str],
     ) -> SnapshotManifest:
+        """Commit the manifest; `captured` (device state, changed pages) is None for a disk-only one,
+        which keeps its origin's memory image and device state only as the machine to boot."""
         repository = self.host.repository
         origin = sandbox.manifest
-        delta_size = delta.path.stat().st_size
-        delta_digest = repository.put_blob(delta.path, digest=delta.digest, move=True, verify=False)
+        device_state, deltas, sizes = origin.device_state, (), {}
+        if captured is None:
+            metadata = {**metadata, DISK_ONLY: "true"}
+        else:
+            devices, delta = captured
+            size = delta.path.stat().st_size
+            digest = repository.put_blob(delta.path, digest=delta.digest, move=True, verify=False)
+            device_state, deltas, sizes = repository.put_blob(devices, move=True), (digest,), {digest: size}
         disk_layers = self.host.runtime.publish_layers(layers)
         manifest = SnapshotManifest(
             id=new_snapshot_id(),
@@ -170,13 +231,13 @@ class Lifecycle:
             source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
             machine=origin.machine,
             memory_image=origin.memory_image,
-            memory_deltas=(delta_digest,),
-            device_state=repository.put_blob(devices, move=True),
+            memory_deltas=deltas,
+            device_state=device_state,
             vmstate_prefix=origin.vmstate_prefix,
             disk_layers=disk_layers,
             runtime=origin.runtime,
             metadata=metadata,
-            sizes={delta_digest: delta_size},
+            sizes=sizes,
         )
         repository.commit(manifest)
         return manifest

@@ -62,6 +62,8 @@ class SandboxState:
     paused: bool = False
     pid: int | None = None  # QEMU's, while running: a restarted node adopts it from here
     policy: dict[str, Any] = field(default_factory=dict)  # the egress policy, as EgressPolicy fields
+    # The last pause kept only the disk (no delta, no device state): the resume boots afresh.
+    disk_only: bool = False
 
     @property
     def egress(self) -> EgressPolicy:

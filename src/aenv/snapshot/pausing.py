@@ -17,10 +17,12 @@ from pathlib import Path
 from ..vmm import migration
 from .clones import Clones
 from .host import Host
-from .model import GuestInit, SandboxState, SandboxVM
+from .model import EngineError, GuestInit, SandboxState, SandboxVM
 from .parking import ParkedVM, ParkingLot, ParkingPolicy
 
 log = logging.getLogger(__name__)
+
+SYNC_TIMEOUT = 120.0  # a guest writing out a large page cache under TCG is slow
 
 
 class Pauses:
@@ -31,13 +33,16 @@ class Pauses:
         self.clones = clones
         self.lot = ParkingLot(policy, self.release)
 
-    async def pause(self, sandbox: SandboxVM) -> SandboxState:
+    async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
         """Stop the sandbox and save it to disk; a resume continues it exactly.
 
         With parking on, the stopped QEMU process is kept: the call returns once the device
         state is saved, and the changed pages are written right after, in the background.
-        Otherwise both are written before the process ends.
+        Otherwise both are written before the process ends. Without `memory`, only the disk
+        is kept (`pause_disk`).
         """
+        if not memory:
+            return await self.pause_disk(sandbox)
         workdir = self.host.workdir(sandbox.sandbox_id)
         state = sandbox.state
         stem = f"pause-{time.time_ns()}"
@@ -63,6 +68,34 @@ class Pauses:
         await sandbox.guest.destroy(keep_files=True)
         _unlink(previous)
         return state
+
+    async def pause_disk(self, sandbox: SandboxVM) -> SandboxState:
+        """Keep only the sandbox's disk: the guest writes out its files, then its process ends.
+
+        A resume boots the guest afresh from the disk (`Lifecycle.resume`): files stay, running
+        processes and memory do not. The guest must answer, since it writes its own caches out.
+        """
+        await write_out_files(sandbox)
+        await migration.stop(sandbox.vm)  # QEMU drains and flushes the disk's pending writes
+        await sandbox.guest.destroy(keep_files=True)
+        self.forget_memory(sandbox.state)
+        return sandbox.state
+
+    def forget_memory(self, state: SandboxState) -> None:
+        """Record a sandbox as paused with its disk only, removing any memory a pause kept."""
+        previous = [state.delta, state.devices]
+        state.paused, state.disk_only, state.pid = True, True, None
+        state.delta = state.devices = None
+        state.save(self.host.workdir(state.sandbox_id))
+        _unlink(previous)
+
+    async def drop_memory(self, sandbox_id: str) -> None:
+        """Make a paused sandbox's next resume boot from its disk (E2B's resume `memory: false`)."""
+        parked = self.lot.take(sandbox_id)
+        if parked is not None:
+            await parked.capture
+            await self.end_process(parked.sandbox)
+        self.forget_memory(self.host.load_state(sandbox_id))
 
     async def _capture_parked(self, sandbox: SandboxVM, delta: Path, previous: list[str | None]) -> None:
         """The changed pages of a parked sandbox, after its pause returned; never raises."""
@@ -118,6 +151,13 @@ class Pauses:
         sandbox.state.paused = False
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
         return sandbox
+
+
+async def write_out_files(sandbox: SandboxVM) -> None:
+    """Have the guest write its cached file changes to its disk, before only the disk is kept."""
+    code = await sandbox.envd.run("sync", timeout=SYNC_TIMEOUT)
+    if code != 0:
+        raise EngineError(f"writing out the files of sandbox {sandbox.sandbox_id} failed (sync: {code})")
 
 
 def _unlink(paths: list[str | None]) -> None:

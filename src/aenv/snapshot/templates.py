@@ -17,6 +17,7 @@ from pathlib import Path
 from ..guest.artifacts import GuestArtifacts
 from ..vmm import migration
 from ..vmm.accel import default_vcpus
+from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
 from ..vmm.machine import MACHINE_TYPE, MemoryMode
 from . import devstate
@@ -101,17 +102,7 @@ class TemplateBuilder:
     async def _prepare(self, guest: GuestVM, runtime: RuntimeContext, timeout: float) -> None:
         init = GuestInit(runtime.env_vars, default_user=runtime.user, default_workdir=runtime.workdir)
         await guest.envd.init(init.payload())
-        user = runtime.user or "root"
-        if runtime.start_cmd:
-            await guest.envd.run(runtime.start_cmd, user=user, cwd=runtime.workdir, background=True)
-        if runtime.ready_cmd:
-            deadline = time.monotonic() + timeout
-            while await guest.envd.run(runtime.ready_cmd, user=user, cwd=runtime.workdir, timeout=30) != 0:
-                if time.monotonic() > deadline:
-                    raise EngineError(
-                        f"ready check {runtime.ready_cmd!r} did not pass within {timeout:.0f} s"
-                    )
-                await asyncio.sleep(0.5)
+        await start_runtime(guest.envd, runtime, timeout)
 
     def _commit(
         self,
@@ -148,3 +139,17 @@ class TemplateBuilder:
         )
         repository.commit(manifest)
         return manifest
+
+
+async def start_runtime(envd: EnvdLink, runtime: RuntimeContext, timeout: float) -> None:
+    """Start the template's start command in the background and wait until its ready check passes
+    (after a template's boot, and after a sandbox's boot from its disk)."""
+    user = runtime.user or "root"
+    if runtime.start_cmd:
+        await envd.run(runtime.start_cmd, user=user, cwd=runtime.workdir, background=True)
+    if runtime.ready_cmd:
+        deadline = time.monotonic() + timeout
+        while await envd.run(runtime.ready_cmd, user=user, cwd=runtime.workdir, timeout=30) != 0:
+            if time.monotonic() > deadline:
+                raise EngineError(f"ready check {runtime.ready_cmd!r} did not pass within {timeout:.0f} s")
+            await asyncio.sleep(0.5)

@@ -163,14 +163,15 @@ class EnvdLink:
         if status >= 300:
             raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
 
-    async def metrics(self, timeout: float = 5.0) -> dict[str, Any]:
-        """envd's GET /metrics: CPU, memory and disk use inside the guest."""
+    async def metrics_history(self, start: int | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The resource samples envd kept since `start` (Unix seconds; None: all), oldest first."""
+        path = "/metrics/history" if start is None else f"/metrics/history?start={start}"
         status, body = await asyncio.to_thread(
-            self._request, "GET", "/metrics", headers=self._headers(), timeout=timeout
+            self._request, "GET", path, headers=self._headers(), timeout=timeout
         )
         if status != 200:
-            raise RuntimeError(f"envd /metrics answered {status}: {body[:200]!r}")
-        return json.loads(body)
+            raise RuntimeError(f"envd /metrics/history answered {status}: {body[:200]!r}")
+        return json.loads(body)["samples"]
 
     async def run(
         self,

@@ -116,11 +116,20 @@ class GuestVM:
 
 
 async def boot_guest(
-    config: MachineConfig, workdir: Path, *, network_name: str, ready_timeout: float = 180.0
+    config: MachineConfig,
+    workdir: Path,
+    *,
+    network_name: str = "",
+    network: SandboxNetwork | None = None,
+    ready_timeout: float = 180.0,
 ) -> GuestVM:
-    """Boot a guest in a new network namespace and return once its envd answers /health."""
+    """Boot a guest and return once its envd answers /health.
+
+    It runs in `network`, or else in a new namespace named `network_name`; on failure the
+    namespace is destroyed either way.
+    """
     started = time.monotonic()
-    network = await SandboxNetwork.create(network_name)
+    network = network or await SandboxNetwork.create(network_name)
     vm: VirtualMachine | None = None
     try:
         tap_fd = network.open_tap()
@@ -137,7 +146,7 @@ async def boot_guest(
         raise
     log.info(
         "guest in %s booted, envd ready in %.2f s (%s)",
-        network_name,
+        network.name,
         time.monotonic() - started,
         config.accel,
     )

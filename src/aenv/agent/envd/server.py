@@ -12,6 +12,7 @@ from .connect import MAX_MESSAGE_BYTES
 from .files_api import FilesAPI
 from .filesystem import FilesystemService
 from .httperr import UNAUTHORIZED, json_error
+from .metrics import MetricsHistory
 from .process import ProcessService
 from .state import State, same_secret
 from .system_api import SystemAPI
@@ -30,6 +31,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(state: State) -> web.Application:
     processes = ProcessService(state)
     filesystem = FilesystemService(state)
+    history = MetricsHistory()
 
     @web.middleware
     async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -64,14 +66,19 @@ def build_app(state: State) -> web.Application:
         response.headers.setdefault("Access-Control-Allow-Origin", "*")
         response.headers.setdefault("Access-Control-Expose-Headers", CORS_EXPOSE)
 
+    async def startup(app: web.Application) -> None:
+        history.start()
+
     async def shutdown(app: web.Application) -> None:
         processes.shutdown()
         filesystem.shutdown()
+        await history.stop()
 
     app = web.Application(middlewares=[access], client_max_size=MAX_MESSAGE_BYTES)
     app.on_response_prepare.append(cors)
+    app.on_startup.append(startup)
     app.on_shutdown.append(shutdown)
-    app.add_routes(SystemAPI(state).routes())
+    app.add_routes(SystemAPI(state, history).routes())
     app.add_routes(FilesAPI(state).routes())
     app.add_routes(processes.routes())
     app.add_routes(filesystem.routes())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import os
 import re
 import time
 from datetime import datetime
@@ -17,6 +16,7 @@ from . import ENVD_VERSION
 from .connect import ConnectError, loads
 from .httperr import UNAUTHORIZED, json_error
 from .inputs import c_string, path_string, string_map, text
+from .metrics import MetricsHistory, Sample, render, take
 from .state import State, same_secret
 
 log = logging.getLogger(__name__)
@@ -66,44 +66,11 @@ def add_entropy(data: bytes) -> bool:
     return True
 
 
-class CPUSampler:
-    """cpu_used_pct since the previous sample (first call: since boot), from /proc/stat."""
-
-    def __init__(self) -> None:
-        self.last: tuple[int, int] | None = None
-
-    def percent(self) -> float:
-        try:
-            with open("/proc/stat") as f:
-                values = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return 0.0
-        idle = values[3] + (values[4] if len(values) > 4 else 0)
-        total = sum(values[:8])
-        prev_total, prev_idle = self.last or (0, 0)
-        self.last = (total, idle)
-        dt = total - prev_total
-        return round(100.0 * (dt - (idle - prev_idle)) / dt, 2) if dt > 0 else 0.0
-
-
-def _meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[key] = int(parts[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 class SystemAPI:
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, history: MetricsHistory) -> None:
         self.state = state
-        self.cpu = CPUSampler()
+        self.history = history
+        self._last: Sample | None = None  # /metrics reports CPU use since the previous call
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -111,6 +78,7 @@ class SystemAPI:
             web.post("/init", self.init),
             web.get("/envs", self.envs),
             web.get("/metrics", self.metrics),
+            web.get("/metrics/history", self.metrics_history),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -161,26 +129,19 @@ class SystemAPI:
         return web.json_response(self.state.env_vars)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        mem = _meminfo()
-        total = mem.get("MemTotal", 0)
-        used = total - mem.get("MemAvailable", mem.get("MemFree", 0))
+        now = take()
+        answer = render(now, self._last)
+        self._last = now
+        return web.json_response(answer)
+
+    async def metrics_history(self, request: web.Request) -> web.Response:
+        """The samples kept since `start` until `end` (Unix seconds, both optional), oldest first."""
         try:
-            disk = os.statvfs("/")
-            disk_total = disk.f_blocks * disk.f_frsize
-            disk_used = (disk.f_blocks - disk.f_bfree) * disk.f_frsize
-        except OSError:
-            disk_total = disk_used = 0
+            start, end = (
+                int(request.query[name]) if request.query.get(name) else None for name in ("start", "end")
+            )
+        except ValueError:
+            return json_error(400, "start and end must be integer Unix seconds")
         return web.json_response(
-            {
-                "ts": int(time.time()),
-                "cpu_count": os.cpu_count() or 1,
-                "cpu_used_pct": self.cpu.percent(),
-                "mem_total": total,
-                "mem_used": used,
-                "mem_cache": mem.get("Cached", 0),
-                "mem_total_mib": total // (1024 * 1024),
-                "mem_used_mib": used // (1024 * 1024),
-                "disk_used": disk_used,
-                "disk_total": disk_total,
-            }
+            {"interval": self.history.interval, "samples": self.history.between(start, end)}
         )

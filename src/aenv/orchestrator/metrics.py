@@ -1,0 +1,74 @@
+"""Sandbox metrics history: envd's samples as E2B's `SandboxMetric`, kept by the node across pauses.
+
+Each guest samples itself at a fixed interval into a bounded ring in envd's memory
+(`aenv.agent.envd.metrics`), so an idle sandbox costs the node nothing until someone asks. The
+node adds what the ring cannot keep: before a sandbox pauses, its samples are saved next to its
+saved state, so a paused sandbox still answers, and a filesystem-only pause (whose resume boots a
+new guest with an empty ring) loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..clock import rfc3339
+
+KEPT_SAMPLES = 720  # as many as envd keeps: an hour at its 5 s interval
+ARCHIVE_FILE = "metrics.json"
+
+
+def merge(*batches: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Samples of several batches, one per timestamp (the later batch wins), oldest first, bounded."""
+    by_time = {sample["ts"]: sample for batch in batches for sample in batch}
+    return [by_time[ts] for ts in sorted(by_time)][-KEPT_SAMPLES:]
+
+
+def between(samples: list[dict[str, Any]], start: int | None, end: int | None) -> list[dict[str, Any]]:
+    return [s for s in samples if (start is None or s["ts"] >= start) and (end is None or s["ts"] <= end)]
+
+
+def sandbox_metric(sample: dict[str, Any], cpu_count: int) -> dict[str, Any]:
+    """One envd sample as E2B's `SandboxMetric` (all nine keys are required by the SDK)."""
+    moment = datetime.fromtimestamp(sample["ts"], UTC)
+    return {
+        "timestamp": rfc3339(moment, timespec="seconds"),
+        "timestampUnix": sample["ts"],
+        "cpuCount": sample.get("cpu_count", cpu_count),
+        "cpuUsedPct": sample.get("cpu_used_pct", 0.0),
+        "memUsed": sample.get("mem_used", 0),
+        "memTotal": sample.get("mem_total", 0),
+        "memCache": sample.get("mem_cache", 0),
+        "diskUsed": sample.get("disk_used", 0),
+        "diskTotal": sample.get("disk_total", 0),
+    }
+
+
+class MetricsArchive:
+    """The samples saved from a sandbox's envd at its pauses, in the sandbox's directory."""
+
+    def __init__(self, workdir: Path):
+        self.path = workdir / ARCHIVE_FILE
+
+    def load(self) -> list[dict[str, Any]]:
+        try:
+            samples = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError):  # damaged: the history is a convenience, not worth a failure
+            return []
+        return [s for s in samples if isinstance(s, dict) and isinstance(s.get("ts"), int)]
+
+    def add(self, samples: list[dict[str, Any]]) -> None:
+        kept = merge(self.load(), samples)
+        tmp = self.path.with_name(f".{ARCHIVE_FILE}.tmp")
+        tmp.write_text(json.dumps(kept))
+        os.replace(tmp, self.path)
+
+    def newest(self) -> int | None:
+        samples = self.load()
+        return samples[-1]["ts"] if samples else None
