@@ -36,6 +36,7 @@ from .paths import repository_dir
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound, SnapshotRepository
+from .vmm import confine
 from .vmm.accel import choose_accelerator
 
 log = logging.getLogger("aenv.node")
@@ -92,6 +93,14 @@ class Node:
         choice = choose_accelerator(settings.accel)
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
+        confine.install(
+            confine.from_settings(
+                confine=settings.vmm_confine,
+                cgroups=settings.vmm_cgroups,
+                memory_overhead_mib=settings.vmm_memory_overhead_mib,
+                pids=settings.vmm_pids_max,
+            )
+        )
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         repository = SnapshotRepository(repository_dir(home))
         repository.cleanup_staging(older_than=0)
