@@ -10,6 +10,7 @@ cgroup of its own whose limits the guest filling all its RAM does not reach.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ def test_qemu_runs_confined(node: NodeServer, sandboxes: Sandboxes) -> None:
     fields = status_fields(pid)
     assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0
     assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2"
+    assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    root = next(
+        line.split()
+        for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        if line.split()[4] == "/"
+    )
+    assert root[5].startswith("ro")  # the host's filesystem, read-only
     group = memory_group(pid)
     assert group.name == f"vm-{pid}" and group.parent.name == "aenv"
     info = Sandbox.get_info(sandbox.sandbox_id)

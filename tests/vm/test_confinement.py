@@ -13,6 +13,7 @@ import pytest
 
 from aenv.vmm import confine
 from aenv.vmm.confine import CgroupTree, Confinement, Limits
+from aenv.vmm.mountview import MountView
 
 V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
 V2_PROC = "0::/system.slice/aenv.service\n"
@@ -32,6 +33,35 @@ def test_command_drops_privileges_and_enables_seccomp() -> None:
     assert argv[-2:] == ["-sandbox", confine.SECCOMP]
     plain = Confinement(seccomp=False, drop_privileges=False).command(["qemu"])
     assert plain == ["qemu"]
+
+
+def test_command_joins_the_mount_view_first() -> None:
+    argv = Confinement(mount_namespace="/proc/9/ns/mnt").command(["qemu"])
+    assert argv[:3] == ["nsenter", "--mount=/proc/9/ns/mnt", "--"]
+    assert argv[3 : 3 + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
+
+
+def test_mount_view_is_read_only_but_for_the_vm_directories(tmp_path: Path) -> None:
+    writable, hidden = tmp_path / "layers", tmp_path / "secrets"
+    for directory in (writable, hidden):
+        directory.mkdir()
+    (hidden / "api-key").write_text("key")
+    view = MountView.start([writable], [hidden])
+    try:
+        confined = Confinement(seccomp=False, mount_namespace=view.namespace)
+
+        def run(script: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(confined.command(["sh", "-c", script]), capture_output=True, text=True)
+
+        assert run(f"touch {writable}/layer && echo ok").stdout == "ok\n"
+        assert "Read-only" in run(f"touch {tmp_path}/node.db").stderr
+        assert "Read-only" in run("touch /etc/aenv-confinement-test").stderr
+        assert run(f"cat {hidden}/api-key").returncode != 0
+        assert run("echo > /dev/null && head -c 1 /dev/urandom | wc -c").stdout == "1\n"
+    finally:
+        view.close()
+    assert (writable / "layer").exists() and not (tmp_path / "node.db").exists()
+    assert view.process.returncode == 0
 
 
 def test_privilege_drop_leaves_no_capabilities() -> None:
@@ -104,5 +134,7 @@ def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")
 def test_the_host_tree_accepts_a_group() -> None:
-    configured = confine.from_settings(confine=True, cgroups=True, memory_overhead_mib=0, pids=16)
+    configured = confine.from_settings(
+        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None
+    )
     assert configured.cgroups is not None

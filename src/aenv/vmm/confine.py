@@ -2,9 +2,11 @@
 
 Every VMM runs with an empty capability bounding set and `no_new_privs` (applied by util-linux
 `setpriv`, which execs QEMU in place, so the node still watches, reads and adopts QEMU's own
-pid), under QEMU's seccomp sandbox with the obsolete, privilege-raising, process-spawning and
-resource-control system calls denied, and in a cgroup of its own that bounds its CPU time to
-its vCPUs, its memory to guest RAM plus the VMM's measured overhead, and its thread count.
+pid), in a mount namespace where the host is read-only (`aenv.vmm.mountview`, joined with
+`nsenter`, which also execs in place), under QEMU's seccomp sandbox with the obsolete,
+privilege-raising, process-spawning and resource-control system calls denied, and in a cgroup
+of its own that bounds its CPU time to its vCPUs, its memory to guest RAM plus the VMM's
+measured overhead, and its thread count.
 
 Cgroups: v2 (one unified tree) on modern hosts, v1 (one tree per controller) elsewhere; the
 layout is detected from `/proc/self/cgroup`, and every VM's group sits below the node's own, so
@@ -144,15 +146,20 @@ class Confinement:
 
     seccomp: bool = True
     drop_privileges: bool = True
+    mount_namespace: str | None = None  # `aenv.vmm.mountview`'s, joined before anything else
     cgroups: CgroupTree | None = None
     memory_overhead_mib: int = 192
     pids: int = 256
 
     def command(self, argv: list[str]) -> list[str]:
-        """QEMU's command line, with its seccomp filter, behind the privilege drop."""
+        """QEMU's command line, with its seccomp filter, behind the privilege drop and mount view."""
         if self.seccomp:
             argv = [*argv, "-sandbox", SECCOMP]
-        return [*DROP_PRIVILEGES, *argv] if self.drop_privileges else argv
+        if self.drop_privileges:
+            argv = [*DROP_PRIVILEGES, *argv]
+        if self.mount_namespace is not None:
+            argv = ["nsenter", f"--mount={self.mount_namespace}", "--", *argv]
+        return argv
 
     def limits(self, vcpus: int, memory_mib: int) -> Limits:
         return Limits(vcpus=vcpus, memory_mib=memory_mib + self.memory_overhead_mib, pids=self.pids)
@@ -190,7 +197,9 @@ def current() -> Confinement:
     return _current
 
 
-def from_settings(*, confine: bool, cgroups: bool, memory_overhead_mib: int, pids: int) -> Confinement:
+def from_settings(
+    *, confine: bool, cgroups: bool, memory_overhead_mib: int, pids: int, mount_namespace: str | None
+) -> Confinement:
     """The node's confinement; without a writable cgroup tree, VMs run without cgroup limits (logged)."""
     tree = CgroupTree.detect() if cgroups else None
     if tree is not None:
@@ -203,4 +212,6 @@ def from_settings(*, confine: bool, cgroups: bool, memory_overhead_mib: int, pid
     elif cgroups:
         log.warning("no cgroup tree with cpu, memory and pids: VMs run without cgroup limits")
     limits = {"memory_overhead_mib": memory_overhead_mib, "pids": pids}
-    return Confinement(seccomp=confine, drop_privileges=confine, cgroups=tree, **limits)
+    return Confinement(
+        seccomp=confine, drop_privileges=confine, mount_namespace=mount_namespace, cgroups=tree, **limits
+    )
