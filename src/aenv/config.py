@@ -64,9 +64,10 @@ class Settings:
     vmm_memory_overhead_mib: int = 192
     vmm_pids_max: int = 256
     # Admission control (aenv.orchestrator.admission): the guest RAM of running sandboxes may add
-    # up to this multiple of the host's RAM; creates, resumes, pauses and snapshots are refused
-    # while the home's filesystem has less than disk_reserve_mib free.
-    memory_overcommit: float = 1.5
+    # up to this multiple of the host's RAM (clones share their template's memory image: the
+    # density target is 12x); creates, resumes, pauses and snapshots are refused while the
+    # home's filesystem has less than disk_reserve_mib free.
+    memory_overcommit: float = 16.0
     disk_reserve_mib: int = 2048
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
     log_level: str = "INFO"

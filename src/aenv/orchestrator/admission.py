@@ -3,7 +3,9 @@
 A VM started on a host without the memory for it is one the kernel's OOM killer ends later (with
 a neighbour, maybe); a pause or snapshot started on a full disk fails after the guest stopped.
 So a create or resume is refused (503) when the guest RAM of the running sandboxes would exceed
-the configured multiple of the host's RAM or no network slot is left, and anything that writes
+the configured multiple of the host's RAM (guests share their template's memory image, so the
+multiple is well above 1), when the host could not give the new guest all its RAM now, or when
+no network slot is left; and anything that writes
 state (create, resume, pause, snapshot, fork) is refused (507) while the node's filesystem has
 less than its reserve free.
 """
@@ -18,13 +20,13 @@ from pathlib import Path
 from .errors import InsufficientStorage, Unavailable
 
 
-def host_memory_mib() -> int:
-    """The host's RAM (MemTotal), in MiB."""
+def meminfo_mib(field: str = "MemTotal") -> int:
+    """One `/proc/meminfo` figure (MemTotal: the host's RAM; MemAvailable: what it can still give), in MiB."""
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) // 1024
-    raise OSError("no MemTotal in /proc/meminfo")
+    raise OSError(f"no {field} in /proc/meminfo")
 
 
 def free_disk_mib(path: Path) -> int:
@@ -42,6 +44,7 @@ class Admission:
     memory_budget_mib: int  # host RAM times the overcommit ratio
     committed_mib: Callable[[], int]  # guest RAM of the sandboxes running now
     free_slots: Callable[[], int | None]  # None: the node does not allocate networks itself
+    available_mib: Callable[[], int] = lambda: meminfo_mib("MemAvailable")
 
     def check_disk(self, operation: str) -> None:
         """507 when the home's filesystem is below the reserve."""
@@ -61,6 +64,12 @@ class Admission:
             raise Unavailable(
                 f"cannot {operation}: running sandboxes hold {committed} MiB of guest RAM and this one "
                 f"needs {memory_mib} MiB more, beyond the node's budget of {self.memory_budget_mib} MiB"
+            )
+        available = self.available_mib()
+        if available < memory_mib:
+            raise Unavailable(
+                f"cannot {operation}: the host has {available} MiB of memory available, "
+                f"less than the {memory_mib} MiB of guest RAM needed"
             )
         free = self.free_slots()
         if free is not None and free < networks:

@@ -33,7 +33,7 @@ from ..snapshot.repository import (
     SnapshotExists,
     SnapshotNotFound,
 )
-from .admission import Admission, host_memory_mib
+from .admission import Admission, meminfo_mib
 from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError
 from .interface import CreateRequest
 from .states import Op, State, Transition, transition
@@ -109,7 +109,7 @@ class Orchestrator:
         self.admission = Admission(
             home=settings.home_path,
             disk_reserve_mib=settings.disk_reserve_mib,
-            memory_budget_mib=int(host_memory_mib() * settings.memory_overcommit),
+            memory_budget_mib=int(meminfo_mib() * settings.memory_overcommit),
             committed_mib=lambda: sum(s.record.memory_mb for s in self.sandboxes.values() if s.vm),
             free_slots=lambda: None if engine.networks is None else engine.networks.available,
         )
