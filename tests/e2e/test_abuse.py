@@ -18,12 +18,14 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
+from aenv.devnode import DevNode
 from aenv.orchestrator.service import DISK_SIZE_MB
 
 from .conftest import NodeServer, Sandboxes, run_in
 
 pytestmark = pytest.mark.vm
 
+ADMISSION_SLOTS = 15360  # apart from every other node the suite starts
 GUEST_USER_PROCESSES = 400  # the fork bomb's ceiling, so that the guest can be cleaned up after it
 
 
@@ -120,3 +122,17 @@ def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxe
     assert run_in(resumed, "cat /home/user/many/999.txt") == "file 999"
     assert resumed.kill()
     assert abuser.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+
+
+def test_a_node_below_its_disk_reserve_refuses_creates_with_507(tmp_path: Path, template_seed: Path) -> None:
+    node = DevNode(
+        tmp_path / "home", slot_first=ADMISSION_SLOTS, slot_count=64, seed=template_seed,
+        warm_pool_size=0, disk_reserve_mib=2**40,
+    )  # fmt: skip
+    with node:
+        refused = httpx.post(
+            f"{node.url}/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": node.key}, timeout=60
+        )
+        assert refused.status_code == 507
+        assert refused.json()["code"] == 507 and "below its reserve" in refused.json()["message"]
+        assert node.qemu_pids() == []  # refused before any VM was started
