@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -101,6 +102,10 @@ class MountView:
 
 
 def main() -> None:
+    # A Ctrl-C or SIGTERM meant for the node's process group is not for this helper: it ends when
+    # the node does, however the node ends.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     args = sys.argv[1:]
     split = args.index(HIDE) if HIDE in args else len(args)
     isolate([Path(arg) for arg in args[:split]], [Path(arg) for arg in args[split + 1 :]])
