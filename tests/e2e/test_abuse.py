@@ -48,7 +48,7 @@ def memory_group(pid: int) -> Path:
 
 
 def node_and_neighbour_answer(node: NodeServer, neighbour: Any) -> None:
-    assert httpx.get(f"{node.url}/health", timeout=30).status_code == 200
+    assert node.healthy()
     assert run_in(neighbour, "echo ok", timeout=120) == "ok\n"
 
 
