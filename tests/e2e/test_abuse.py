@@ -48,7 +48,7 @@ def memory_group(pid: int) -> Path:
 
 
 def node_and_neighbour_answer(node: NodeServer, neighbour: Any) -> None:
-    assert node.healthy()
+    assert node.healthy(timeout=30)
     assert run_in(neighbour, "echo ok", timeout=120) == "ok\n"
 
 
