@@ -26,7 +26,7 @@ from .conftest import NodeServer, Sandboxes, run_in
 pytestmark = pytest.mark.vm
 
 ADMISSION_SLOTS = 15360  # apart from every other node the suite starts
-GUEST_USER_PROCESSES = 400  # the fork bomb's ceiling, so that the guest can be cleaned up after it
+GUEST_USER_PROCESSES = 100  # the fork bomb's ceiling, so that the guest can be cleaned up after it
 
 
 def qemu_pid(node: NodeServer, sandbox_id: str) -> int:
@@ -78,7 +78,7 @@ def test_qemu_runs_confined(node: NodeServer, sandboxes: Sandboxes) -> None:
 
 
 def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxes: Sandboxes) -> None:
-    abuser, neighbour = sandboxes.create(), sandboxes.create()
+    abuser, neighbour = sandboxes.create(timeout=1800), sandboxes.create(timeout=1800)
     pid = qemu_pid(node, abuser.sandbox_id)
     info = Sandbox.get_info(abuser.sandbox_id)
 
@@ -93,7 +93,8 @@ def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxe
     assert abuser.commands.run(stop, user="root", timeout=300).stdout.strip() in ("", "0")
 
     # A full disk: the guest gets ENOSPC, the host's layer stays within the disk's virtual size.
-    fill = "i=0; while fallocate -l 64M ~/fill$i; do i=$((i+1)); done; head -c 128M /dev/zero > ~/more"
+    free = "$(df --output=avail -B1 / | tail -1)"
+    fill = f"fallocate -l $(({free} - (32 << 20))) ~/fill && head -c 64M /dev/zero > ~/more"
     with pytest.raises(CommandExitException) as full:
         abuser.commands.run(fill, timeout=300)
     assert "No space left" in full.value.stderr
