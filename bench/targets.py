@@ -16,6 +16,7 @@ FIGURES = (
     "proxy-rtt",
     "proxy-throughput",
     "density",
+    "soak",
 )
 
 
@@ -49,4 +50,5 @@ TARGETS: dict[str, Target] = {
     "proxy-throughput": Target("ratio", ">=", 0.8, "x"),
     "density": Target("value", ">=", 200, "sandboxes"),
     "density-overcommit": Target("value", ">=", 12, "x"),
+    "soak": Target("value", "<=", 0, "count"),
 }

@@ -16,6 +16,17 @@ from typing import Any
 
 from . import paths
 
+BOOLEANS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
 
 class ConfigError(ValueError):
     """A setting has a value of the wrong type or out of range."""
@@ -44,6 +55,20 @@ class Settings:
     slot_first: int = 0
     slot_count: int = 1024
     evict_interval: float = 1.0
+    # Confinement and limits of every VMM (aenv.vmm.confine): no capabilities and a seccomp filter
+    # (vmm_confine; off only to measure its cost or debug QEMU), a cgroup per VM bounding CPU to its
+    # vCPUs, memory to guest RAM plus vmm_memory_overhead_mib (QEMU itself, its TCG translation
+    # cache and I/O buffers) and its threads to vmm_pids_max.
+    vmm_confine: bool = True
+    vmm_cgroups: bool = True
+    vmm_memory_overhead_mib: int = 192
+    vmm_pids_max: int = 256
+    # Admission control (aenv.orchestrator.admission): the guest RAM of running sandboxes may add
+    # up to this multiple of the host's RAM (clones share their template's memory image: the
+    # density target is 12x); creates, resumes, pauses and snapshots are refused while the
+    # home's filesystem has less than disk_reserve_mib free.
+    memory_overcommit: float = 16.0
+    disk_reserve_mib: int = 2048
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
     # Where committed snapshots live (aenv.storage.open): a directory (posix_fs; empty means
     # <home>/repository) or s3://BUCKET/PREFIX on an S3-compatible store, which then needs the
@@ -87,7 +112,9 @@ class Settings:
             problems.append("vcpus must not be negative")
         if self.slot_first < 0 or self.slot_count < 1:
             problems.append("slot_first must not be negative and slot_count must be positive")
-        for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval"):
+        if self.vmm_memory_overhead_mib < 0 or self.vmm_pids_max < 16 or self.memory_overcommit <= 0:
+            problems.append("vmm_memory_overhead_mib, vmm_pids_max (>= 16) or memory_overcommit out of range")
+        for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval", "disk_reserve_mib"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
         if self.lease_ttl <= 0:
@@ -102,12 +129,14 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
     try:
         if "Path" in kind:
             return Path(value)
+        if kind.startswith("bool"):
+            return value if isinstance(value, bool) else BOOLEANS[str(value).lower()]
         if kind.startswith("int"):
             return int(value)
         if kind.startswith("float"):
             return float(value)
         return None if value is None else str(value)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"setting {name}: {value!r} is not a valid {kind}") from exc
 
 

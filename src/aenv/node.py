@@ -36,12 +36,16 @@ from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound
 from .storage.open import Storage, open_storage
+from .vmm import confine
 from .vmm.accel import choose_accelerator
+from .vmm.mountview import MountView
 
 log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
 IO_THREADS = 64
+# What QEMU writes under the home: disk layers, VM directories, warm VMs, repository staging.
+VMM_WRITABLE = ("layers", "sandboxes", "runtime", "repository")
 
 
 def api_key(settings: Settings) -> str:
@@ -81,6 +85,7 @@ class Node:
         self.api: NodeAPI | None = None
         self.slot_lock = SlotRangeLock(settings.slot_first, settings.slot_count)
         self.storage: Storage | None = None
+        self.mount_view: MountView | None = None
 
     async def start(self) -> None:
         settings = self.settings
@@ -93,6 +98,7 @@ class Node:
         choice = choose_accelerator(settings.accel)
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
+        self._confine_vmms(home)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         self.storage = open_storage(settings, node_id(home))
         repository = self.storage.repository
@@ -136,6 +142,24 @@ class Node:
             time.monotonic() - started, settings.api_addr,
         )  # fmt: skip
 
+    def _confine_vmms(self, home: Path) -> None:
+        """Every QEMU from now on: confined, limited, seeing the host read-only (aenv.vmm.confine)."""
+        settings = self.settings
+        if settings.vmm_confine:
+            writable = [home / name for name in VMM_WRITABLE]
+            for directory in writable:
+                directory.mkdir(exist_ok=True)
+            secrets_dir = home / "secrets"  # the API key, when the node generated it
+            self.mount_view = MountView.start(writable, hidden=[secrets_dir] if secrets_dir.is_dir() else [])
+        confinement = confine.from_settings(
+            confine=settings.vmm_confine,
+            cgroups=settings.vmm_cgroups,
+            memory_overhead_mib=settings.vmm_memory_overhead_mib,
+            pids=settings.vmm_pids_max,
+            mount_namespace=self.mount_view.namespace if self.mount_view else None,
+        )
+        confine.install(confinement)
+
     def _domain(self) -> str:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""
         return self.settings.domain or f"localhost:{self.settings.port}"
@@ -166,6 +190,8 @@ class Node:
             await self.orchestrator.close()
         if self.networks is not None:
             await self.networks.close()
+        if self.mount_view is not None:
+            self.mount_view.close()
         self.slot_lock.release()
         if self.storage is not None:
             self.storage.heartbeat.stop()

@@ -28,6 +28,7 @@ from .. import __version__
 from ..agent.envd import ENVD_VERSION
 from ..orchestrator.errors import (
     Conflict,
+    InsufficientStorage,
     InvalidRequest,
     NotFound,
     OperationFailed,
@@ -56,6 +57,7 @@ STATUS: dict[type[SandboxError], int] = {
     NotFound: 404,
     Conflict: 409,
     Unavailable: 503,
+    InsufficientStorage: 507,
     OperationFailed: 500,
 }
 

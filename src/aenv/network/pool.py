@@ -106,6 +106,11 @@ class NetworkPool:
         return len(self._idle)
 
     @property
+    def available(self) -> int:
+        """How many more sandboxes could get a network: idle ones plus slots never taken."""
+        return len(self._idle) + self._slots.free
+
+    @property
     def leased(self) -> list[SandboxNetwork]:
         return list(self._leased.values())
 

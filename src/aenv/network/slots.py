@@ -98,6 +98,10 @@ class SlotAllocator:
             self._free.append(slot.index)
 
     @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
     def in_use(self) -> frozenset[int]:
         return frozenset(self._used)
 

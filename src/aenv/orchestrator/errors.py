@@ -35,3 +35,7 @@ class Unavailable(SandboxError):
 
 class OperationFailed(SandboxError):
     """The node tried and failed; the state the API reports afterwards is the truth."""
+
+
+class InsufficientStorage(SandboxError):
+    """The node's disk is below its free-space reserve: nothing that writes state is started."""

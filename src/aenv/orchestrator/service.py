@@ -34,6 +34,7 @@ from ..snapshot.repository import (
     SnapshotExists,
     SnapshotNotFound,
 )
+from .admission import Admission, meminfo_mib
 from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError
 from .interface import CreateRequest
 from .metrics import MetricsArchive, between, merge, sandbox_metric
@@ -109,6 +110,13 @@ class Orchestrator:
         self.store = store
         self.sandboxes: dict[str, Sandbox] = {}
         self.counters = {"create_successes": 0, "create_failures": 0, "lost": 0}
+        self.admission = Admission(
+            home=settings.home_path,
+            disk_reserve_mib=settings.disk_reserve_mib,
+            memory_budget_mib=int(meminfo_mib() * settings.memory_overcommit),
+            committed_mib=lambda: sum(s.record.memory_mb for s in self.sandboxes.values() if s.vm),
+            free_slots=lambda: None if engine.networks is None else engine.networks.available,
+        )
         # Sandboxes whose VM died under them, newest last: a lookup says why they are gone.
         self.lost: dict[str, str] = {}
         self._watchers: dict[int, asyncio.Task[None]] = {}  # by id() of the SandboxVM they watch
@@ -248,6 +256,9 @@ class Orchestrator:
         policy = egress_policy(request.allow_internet, request.network)
         timeout = self.settings.default_timeout if request.timeout is None else request.timeout
         self._check_timeout(timeout)
+        # A warm VM of the template has its network already.
+        networks = 0 if self.engine.pool.ready(manifest.id) else 1
+        self.admission.check_start("create a sandbox", manifest.machine.memory_mib, networks)
         now = clock.now()
         record = SandboxRecord(
             sandbox_id=new_sandbox_id(),
@@ -353,6 +364,7 @@ class Orchestrator:
 
     async def pause(self, sandbox: Sandbox, *, memory: bool = True) -> None:
         """Pause the sandbox; without `memory` only its disk is kept and its resume boots afresh."""
+        self.admission.check_disk(f"pause sandbox {sandbox.id}")
         async with sandbox.lock:
             await self._pause_locked(sandbox, memory=memory)
 
@@ -403,6 +415,7 @@ class Orchestrator:
     async def _resume_locked(self, sandbox: Sandbox, timeout: int) -> None:
         record = sandbox.record
         with self._transition(sandbox, Op.RESUME):
+            self.admission.check_start(f"resume sandbox {record.sandbox_id}", record.memory_mb)
             try:
                 state = self.engine.load_state(record.sandbox_id)
                 self._attach(sandbox, await self.engine.resume(state, self._guest_init(record)))
@@ -445,6 +458,7 @@ class Orchestrator:
 
     async def snapshot(self, sandbox: Sandbox, name: str | None, *, memory: bool = True) -> SnapshotManifest:
         """Snapshot the running sandbox; without `memory` only its disk (sandboxes from it boot)."""
+        self.admission.check_disk(f"snapshot sandbox {sandbox.id}")
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
             metadata = {"sandbox_id": sandbox.id}
@@ -462,6 +476,7 @@ class Orchestrator:
             raise InvalidRequest(f"count must be between 1 and {self.settings.max_fork_count}")
         if timeout is not None:
             self._check_timeout(timeout)
+        self.admission.check_start(f"fork sandbox {sandbox.id}", count * sandbox.record.memory_mb, count)
         async with self._operation(sandbox, Op.FORK):
             assert sandbox.vm is not None
             source = sandbox.record

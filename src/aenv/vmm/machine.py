@@ -23,6 +23,7 @@ from typing import Any
 
 from qemu.qmp import QMPClient
 
+from . import confine
 from .accel import Accelerator
 
 log = logging.getLogger(__name__)
@@ -141,12 +142,16 @@ class VMError(RuntimeError):
 
 
 class QemuProcess:
-    """A QEMU process watched through a pidfd; reaped here when this node spawned it."""
+    """A QEMU process watched through a pidfd; reaped here when this node spawned it.
 
-    def __init__(self, pid: int, *, child: bool):
+    Its cgroup (`aenv.vmm.confine`) is deleted when it exits.
+    """
+
+    def __init__(self, pid: int, *, child: bool, confinement: confine.Confinement):
         self.pid = pid
         self.returncode: int | None = None
         self._child = child
+        self._confinement = confinement
         self._pidfd = os.pidfd_open(pid)
         self._loop = asyncio.get_running_loop()
         self._exited: asyncio.Future[int] = self._loop.create_future()
@@ -160,6 +165,7 @@ class QemuProcess:
                 _, status = os.waitpid(self.pid, 0)
                 code = os.waitstatus_to_exitcode(status)
         os.close(self._pidfd)
+        self._confinement.release(self.pid)
         self.returncode = code
         self._exited.set_result(code)
 
@@ -173,7 +179,10 @@ class QemuProcess:
 
 
 def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> int:
-    """posix_spawn QEMU in a new session with only the descriptors and environment it needs."""
+    """posix_spawn QEMU in a new session with only the descriptors and environment it needs.
+
+    `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`).
+    """
     log_path = str(workdir / "qemu.log")
     actions: list[tuple[Any, ...]] = [
         (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -213,27 +222,31 @@ class VirtualMachine:
         argv = config.argv(
             tap_fd=_TAP_FD if tap_fd is not None else None, qmp_fd=_QMP_FD, workdir=workdir, incoming=incoming
         )
+        confinement = confine.current()
         started = time.monotonic()
         try:
-            process = QemuProcess(_spawn(argv, workdir, theirs.fileno(), tap_fd), child=True)
+            pid = _spawn(confinement.command(argv), workdir, theirs.fileno(), tap_fd)
         finally:
             theirs.close()
+        process = QemuProcess(pid, child=True, confinement=confinement)
         qmp = QMPClient(f"vm-{process.pid}")
         try:
+            # Before QEMU's monitor answers, so before the guest runs or its RAM is filled.
+            confinement.enter(pid, config.vcpus, config.memory_mib)
             await qmp.connect(ours)
         except BaseException as exc:  # also cancellation (a warm-pool refill at node stop): no orphan
             process.kill()
             await asyncio.shield(process.wait())
             if not isinstance(exc, Exception):
                 raise
-            raise VMError(f"QEMU exited at start: {cls._tail(workdir / 'qemu.log')}") from exc
+            raise VMError(f"QEMU did not start ({exc}): {cls._tail(workdir / 'qemu.log')}") from exc
         log.debug("QEMU %d spawned in %.1f ms", process.pid, 1000 * (time.monotonic() - started))
         return cls(config=config, workdir=workdir, process=process, qmp=qmp)
 
     @classmethod
     async def adopt(cls, config: MachineConfig, workdir: Path, pid: int) -> VirtualMachine:
         """Take over a QEMU that a previous node process started, through its recovery monitor."""
-        process = QemuProcess(pid, child=False)
+        process = QemuProcess(pid, child=False, confinement=confine.current())
         qmp = QMPClient(f"vm-{pid}")
         try:
             await qmp.connect(str(workdir / RECOVERY_SOCKET))

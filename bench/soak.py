@@ -1,0 +1,107 @@
+"""Soak: many create → exec → pause → resume → kill cycles, and whether anything the node holds grows.
+
+Before the first cycle and after the last (each time once the warm pool is full again) the
+harness counts what a leak would leave behind: QEMU processes under the node's home, network
+namespaces, the node's open file descriptors and RSS, files under its home, nftables rules and
+VM cgroups. Every count but the RSS must come back to where it started; the RSS is reported in
+MiB (an allocator keeps some memory), and the figure's value is the growth of the counts; the
+cycles' durations are the `soak-cycle` row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from aenv.devnode import netns_names
+from aenv.vmm.confine import CgroupTree
+
+from .context import Context, Sandboxes
+from .report import Row
+from .stats import summarize
+
+COUNTS = ("qemu", "namespaces", "node_fds", "home_files", "nft_rules", "cgroups")
+
+
+def _qemu_processes(home: Path) -> int:
+    count = 0
+    marker = str(home).encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                count += cmdline.startswith(b"qemu-system") and marker in cmdline
+    return count
+
+
+def _nft_rules() -> int:
+    out = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True, check=False).stdout
+    return sum(1 for line in out.splitlines() if line.strip() and not line.strip().endswith(("{", "}")))
+
+
+def _cgroups() -> int:
+    tree = CgroupTree.detect()
+    if tree is None:
+        return 0
+    return sum(len(list((base / "aenv").glob("vm-*"))) for base in tree.bases.values())
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def footprint(home: Path, pid: int) -> dict[str, float]:
+    """What the node holds now: the counts a leak would grow, and its RSS."""
+    return {
+        "qemu": _qemu_processes(home),
+        "namespaces": len(netns_names()),
+        "node_fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "home_files": sum(len(files) for _, _, files in os.walk(home)),
+        "nft_rules": _nft_rules(),
+        "cgroups": _cgroups(),
+        "node_rss_mib": round(_rss_mib(pid), 1),
+    }
+
+
+async def soak(ctx: Context) -> list[Row]:
+    node = ctx.node
+    if node.home is None or node.pid is None:
+        raise RuntimeError("the soak counts what the node holds, which needs a node on this host")
+    home, pid = node.home, node.pid
+    await ctx.quiet()
+    before = footprint(home, pid)
+    cycles = []
+    async with Sandboxes(ctx.client) as sandboxes:
+        for _ in range(ctx.plan.soak):
+            started = time.perf_counter()
+            sandbox = await sandboxes.create()
+            await ctx.client.run(sandbox, "echo soak")
+            await ctx.client.pause(sandbox["sandboxID"])
+            await ctx.client.resume(sandbox["sandboxID"])
+            await sandboxes.kill(sandbox["sandboxID"])
+            cycles.append((time.perf_counter() - started) * 1000)
+    await ctx.quiet()
+    after = footprint(home, pid)
+    growth = {name: after[name] - before[name] for name in before}
+    grown = sum(max(0, growth[name]) for name in COUNTS)
+    note = (
+        f"{len(cycles)} cycles; growth "
+        + ", ".join(f"{name} {growth[name]:+g}" for name in growth)
+        + f" (before: {', '.join(f'{name} {before[name]:g}' for name in before)})"
+    )
+    details = {"before": before, "after": after, "growth": growth}
+    return [
+        Row(
+            "soak",
+            summarize("soak: growth of leak counts", [grown], unit="count"),
+            note=note,
+            details=details,
+        ),
+        Row("soak-cycle", summarize("soak: create, exec, pause, resume, kill", cycles)),
+    ]

@@ -1,0 +1,140 @@
+"""VMM confinement without a VM: the command line, and cgroup v1 and v2 layouts on fake trees.
+
+Real VMs run confined in every VM test; tests/e2e/test_abuse.py checks their QEMU processes'
+capabilities, seccomp mode and cgroup limits on a real node.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from aenv.vmm import confine
+from aenv.vmm.confine import CgroupTree, Confinement, Limits
+from aenv.vmm.mountview import MountView
+
+V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
+V2_PROC = "0::/system.slice/aenv.service\n"
+
+
+def fake_v1(root: Path) -> CgroupTree:
+    for controller in ("cpu", "memory", "pids"):
+        (root / controller).mkdir(parents=True)
+    tree = CgroupTree.detect(root, V1_PROC)
+    assert tree is not None
+    return tree
+
+
+def test_command_drops_privileges_and_enables_seccomp() -> None:
+    argv = Confinement().command(["qemu-system-x86_64", "-M", "microvm"])
+    assert argv[: len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
+    assert argv[-2:] == ["-sandbox", confine.SECCOMP]
+    plain = Confinement(seccomp=False, drop_privileges=False).command(["qemu"])
+    assert plain == ["qemu"]
+
+
+def test_command_joins_the_mount_view_first() -> None:
+    argv = Confinement(mount_namespace="/proc/9/ns/mnt").command(["qemu"])
+    assert argv[:3] == ["nsenter", "--mount=/proc/9/ns/mnt", "--"]
+    assert argv[3 : 3 + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
+
+
+def test_mount_view_is_read_only_but_for_the_vm_directories(tmp_path: Path) -> None:
+    writable, hidden = tmp_path / "layers", tmp_path / "secrets"
+    for directory in (writable, hidden):
+        directory.mkdir()
+    (hidden / "api-key").write_text("key")
+    view = MountView.start([writable], [hidden])
+    try:
+        confined = Confinement(seccomp=False, mount_namespace=view.namespace)
+
+        def run(script: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(confined.command(["sh", "-c", script]), capture_output=True, text=True)
+
+        assert run(f"touch {writable}/layer && echo ok").stdout == "ok\n"
+        assert "Read-only" in run(f"touch {tmp_path}/node.db").stderr
+        assert "Read-only" in run("touch /etc/aenv-confinement-test").stderr
+        assert run(f"cat {hidden}/api-key").returncode != 0
+        assert run("echo > /dev/null && head -c 1 /dev/urandom | wc -c").stdout == "1\n"
+    finally:
+        view.close()
+    assert (writable / "layer").exists() and not (tmp_path / "node.db").exists()
+    assert view.process.returncode == 0
+
+
+def test_privilege_drop_leaves_no_capabilities() -> None:
+    status = subprocess.run(
+        [*confine.DROP_PRIVILEGES, "cat", "/proc/self/status"], capture_output=True, text=True, check=True
+    ).stdout
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    for name in ("CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[name], 16) == 0, name
+    assert fields["NoNewPrivs"].strip() == "1"
+
+
+def test_qemu_accepts_the_seccomp_policy() -> None:
+    out = subprocess.run(
+        ["qemu-system-x86_64", "-sandbox", confine.SECCOMP, "-M", "none", "-display", "none", "-version"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+def test_v1_layout_puts_groups_under_the_node_in_each_controller(tmp_path: Path) -> None:
+    tree = fake_v1(tmp_path)
+    assert tree.version == 1
+    group = tree.group("vm-42")
+    assert group["memory"] == tmp_path / "memory/process_api/abc/aenv/vm-42"
+    assert group["cpu"] == tmp_path / "cpu/aenv/vm-42"
+    tree.create("vm-42", Limits(vcpus=2, memory_mib=704, pids=256))
+    assert (group["cpu"] / "cpu.cfs_quota_us").read_text() == "200000"
+    assert (group["memory"] / "memory.limit_in_bytes").read_text() == str(704 * 2**20)
+    assert (group["pids"] / "pids.max").read_text() == "256"
+
+
+def test_v2_layout_delegates_controllers_and_moves_the_node_to_a_leaf(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids")
+    base = tmp_path / "system.slice/aenv.service"
+    base.mkdir(parents=True)
+    (base / "cgroup.procs").write_text("1234\n")
+    (base / "cgroup.subtree_control").write_text("")
+    tree = CgroupTree.detect(tmp_path, V2_PROC)
+    assert tree is not None and tree.version == 2
+    tree.create("vm-7", Limits(vcpus=1, memory_mib=600, pids=64))
+    assert (base / confine.V2_NODE_LEAF / "cgroup.procs").read_text() == "1234"
+    assert "+memory" in (base / "cgroup.subtree_control").read_text()
+    group = base / "aenv/vm-7"
+    assert (group / "cpu.max").read_text() == "100000 100000"
+    assert (group / "memory.max").read_text() == str(600 * 2**20)
+    assert not (group / "memory.swap.max").exists()  # optional: not written where absent
+
+
+def test_detect_without_controllers(tmp_path: Path) -> None:
+    assert CgroupTree.detect(tmp_path, V1_PROC) is None
+
+
+def test_limits_add_the_vmm_overhead_to_guest_ram() -> None:
+    limits = Confinement(memory_overhead_mib=100, pids=99).limits(vcpus=2, memory_mib=512)
+    assert limits == Limits(vcpus=2, memory_mib=612, pids=99)
+
+
+def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
+    tree = fake_v1(tmp_path)
+    confinement = Confinement(cgroups=tree)
+    for group in tree.group(confine.group_name(5)).values():
+        group.mkdir(parents=True)
+    confinement.release(5)
+    assert not any(path.exists() for path in tree.group("vm-5").values())
+    for group in tree.group("vm-6").values():
+        group.mkdir(parents=True)
+    assert tree.remove_unused() == 3
+
+
+@pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")
+def test_the_host_tree_accepts_a_group() -> None:
+    configured = confine.from_settings(
+        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None
+    )
+    assert configured.cgroups is not None
