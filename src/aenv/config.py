@@ -45,6 +45,7 @@ class Settings:
     slot_count: int = 1024
     evict_interval: float = 1.0
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
+    template_builds: int = 2  # user template builds running at once, each in its own VM
     log_level: str = "INFO"
 
     @property
@@ -63,7 +64,7 @@ class Settings:
             problems.append(f"shutdown_action must be pause or kill, got {self.shutdown_action!r}")
         if self.accel not in ("auto", "kvm", "tcg"):
             problems.append(f"accel must be auto, kvm or tcg, got {self.accel!r}")
-        for name in ("memory_mib", "default_timeout", "max_timeout", "max_fork_count"):
+        for name in ("memory_mib", "default_timeout", "max_timeout", "max_fork_count", "template_builds"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         if self.vcpus < 0:
