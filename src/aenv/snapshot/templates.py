@@ -148,8 +148,11 @@ class TemplateBuilder:
                 memory_mib=shape.memory_mib, memory_mode=MemoryMode.SHARED_FILE,
                 memory_path=staging / "memory.img",
             )  # fmt: skip
-            guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
-            await guest.envd.init(GuestInit(default_user="root").payload())
+            try:
+                guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
+                await guest.envd.init(GuestInit(default_user="root").payload())
+            except Exception as exc:
+                raise StageFailed("base", f"the build VM did not start: {exc}") from exc
             node = "root"
             for stage in plan.stages[first:]:
                 say(stage.name, f"running {stage.key.type} {' '.join(stage.key.args)[:200]}")
@@ -245,7 +248,7 @@ class TemplateBuilder:
         self,
         staging: Path,
         alias: str | None,
-        layers: tuple[str, str],
+        layers: tuple[str, ...],
         runtime: RuntimeContext,
         metadata: dict[str, str],
         shape: MachineShape,
