@@ -7,6 +7,9 @@ step, a cached rebuild, and sandboxes then start from the results by name and ta
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,3 +150,35 @@ def test_uploads_need_a_valid_signature(node: NodeServer) -> None:
     with httpx.Client(base_url=node.url, headers=headers) as api:
         # stored but not trusted: only a build that checked it against its hash marks it present
         assert api.get(f"/templates/{template_id}/files/{'a' * 64}").json()["present"] is False
+
+
+def aenv_cli(node: NodeServer, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AENV_URL": node.url, "AENV_API_KEY": node.key}
+    command = [sys.executable, "-m", "aenv.cli", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+
+def test_cli_builds_a_dockerfile(node: NodeServer, image: str, tmp_path: Path) -> None:
+    context = build_context(tmp_path / "ctx")
+    (context / "Dockerfile").write_text(
+        f"FROM {image}\nCOPY app /opt/cli-app\nENV CLI_VAR=cli\nWORKDIR /opt/cli-app\n"
+        "RUN echo built-by-$CLI_VAR > built.txt\n"
+    )
+    built = aenv_cli(node, "template", "build", str(context), "--name", "e2e-cli:latest")
+    assert built.returncode == 0, built.stderr
+    assert "Built e2e-cli:latest" in built.stdout and "built.txt" in built.stderr  # the live log
+    sandbox = Sandbox.create("e2e-cli:latest")
+    try:
+        assert run(sandbox, "cat built.txt lib/util.py") == "built-by-cli\nVALUE = 42"
+    finally:
+        sandbox.kill()
+    assert "e2e-cli" in aenv_cli(node, "template", "info", "e2e-cli", "-o", "json").stdout
+
+    (context / "Broken").write_text(f"FROM {image}\nRUN echo fine\nRUN echo failing-now; exit 5\n")
+    failed = aenv_cli(
+        node, "template", "build", str(context), "-f", str(context / "Broken"), "--name", "e2e-cli"
+    )
+    assert failed.returncode != 0
+    # the SDK's converter starts with USER root and WORKDIR / (Docker's defaults): the RUN is step 4
+    assert "step 4" in failed.stderr and "failing-now" in failed.stderr
+    assert aenv_cli(node, "template", "rm", "e2e-cli").returncode == 0

@@ -155,7 +155,7 @@ class TemplateBuilder:
                 raise StageFailed("base", f"the build VM did not start: {exc}") from exc
             node = "root"
             for stage in plan.stages[first:]:
-                say(stage.name, f"running {stage.key.type} {' '.join(stage.key.args)[:200]}")
+                say(stage.name, describe(stage, plan))
                 try:
                     state = await stage.run(runner(guest), state)
                     await guest.envd.execute(["/bin/sh", "-c", "sync"], timeout=300)
@@ -203,7 +203,7 @@ class TemplateBuilder:
             hit = None if stage.forced else cache.get(stage_key(chain[-1], stage), self.host.layers.exists)
             if hit is None:
                 return chain, state, index
-            say(stage.name, f"CACHED {stage.key.type} {' '.join(stage.key.args)[:200]}")
+            say(stage.name, f"CACHED {describe(stage, plan)}")
             chain, state = hit.chain, hit.state
         return chain, state, len(plan.stages)
 
@@ -281,3 +281,10 @@ class TemplateBuilder:
 
 def stage_key(parent: str, stage: Stage) -> str:
     return step_key(parent, stage.key)
+
+
+def describe(stage: Stage, plan: StepBuild) -> str:
+    """A stage as build logs show it: ``[step 3/7] RUN make`` (the progress the CLI shows)."""
+    steps = sum(1 for s in plan.stages if s.name != "base")
+    where = "[base]" if stage.name == "base" else f"[step {stage.name}/{steps}]"
+    return f"{where} {stage.key.type} {' '.join(stage.key.args)[:200]}"
