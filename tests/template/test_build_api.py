@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,8 +27,11 @@ from aenv.config import Settings
 from aenv.orchestrator.local import LocalNode
 from aenv.snapshot.manifest import RuntimeContext
 from aenv.snapshot.repository import SnapshotRepository
-from aenv.snapshot.templates import StageFailed, StepBuild
+from aenv.snapshot.templates import Stage, StageFailed, StepBuild, TemplateBuilder
 from aenv.storage.layers import LayerStore
+from aenv.template.builds import TemplateBuilds
+from aenv.template.stepcache import CachedStep, StepCache
+from aenv.template.steps import BuildRequest, BuildState, Step, step_key
 from tests.envd.conftest import free_port
 
 KEY = "e2b_" + "0" * 40
@@ -143,3 +147,32 @@ async def bad_requests(url: str) -> None:
             f"/templates/twice/builds/{created['buildID']}/status", params={"logsOffset": "x"}
         )
         assert status.status_code == 400
+
+
+def test_a_restart_marks_unfinished_builds_failed(tmp_path: Path) -> None:
+    engine = SimpleNamespace(repository=FakeRepository(tmp_path / "repository"), templates=FakeBuilder())
+    builds = TemplateBuilds(tmp_path / "templates", engine)  # type: ignore[arg-type]
+    _, build, tags = builds.request(BuildRequest(name="restarted:v1"))
+    assert tags == ["v1"] and build.status == "waiting"
+    again = TemplateBuilds(tmp_path / "templates", engine)  # type: ignore[arg-type]
+    status = again.status("restarted", build.build_id, 0, 100)
+    assert status["status"] == "error" and "restarted" in status["reason"]["message"]
+
+
+def test_cached_prefix_stops_at_the_first_forced_or_missing_step(tmp_path: Path) -> None:
+    layers = {"b", "l1", "l2"}
+    builder = TemplateBuilder(SimpleNamespace(layers=SimpleNamespace(exists=layers.__contains__)), None)  # type: ignore[arg-type]
+    cache = StepCache(tmp_path)
+    steps = [Step(type="RUN", args=[f"echo {n}"]) for n in range(3)]
+    stages = [Stage(str(n + 1), step, None) for n, step in enumerate(steps)]  # type: ignore[arg-type]
+    cache.put(step_key("b", steps[0]), CachedStep(("b", "l1"), BuildState(user="one")))
+    cache.put(step_key("l1", steps[1]), CachedStep(("b", "l1", "l2"), BuildState(user="two")))
+    said: list[str] = []
+    plan = StepBuild(base=("b",), state=BuildState(), stages=stages)
+    chain, state, first = builder._cached_prefix(plan, cache, lambda stage, message: said.append(message))
+    assert (chain, state.user, first) == (("b", "l1", "l2"), "two", 2)
+    assert said == ["CACHED [step 1/3] RUN echo 0", "CACHED [step 2/3] RUN echo 1"]
+    forced = StepBuild(base=("b",), state=BuildState(), stages=[stages[0], replace(stages[1], forced=True)])
+    assert builder._cached_prefix(forced, cache, lambda *_: None)[2] == 1
+    layers.discard("l1")  # collected: every entry whose chain needs it is a miss
+    assert builder._cached_prefix(plan, cache, lambda *_: None)[2] == 0
