@@ -184,7 +184,6 @@ class LocalNode:
             raise Conflict(f"template '{name}' has a build in progress; delete it when the build ends")
         pool = self._engine.pool
         for snapshot_id in self.builds.forget(name):
-            await pool.set_target(snapshot_id, 0)
             await pool.drain(snapshot_id)
             with contextlib.suppress(SnapshotNotFound):
                 self._engine.repository.delete(snapshot_id, defer=True)
