@@ -176,3 +176,11 @@ def test_cached_prefix_stops_at_the_first_forced_or_missing_step(tmp_path: Path)
     assert builder._cached_prefix(forced, cache, lambda *_: None)[2] == 1
     layers.discard("l1")  # collected: every entry whose chain needs it is a miss
     assert builder._cached_prefix(plan, cache, lambda *_: None)[2] == 0
+
+
+async def test_the_sdk_default_image_is_the_base_template(tmp_path: Path) -> None:
+    async with serving(tmp_path) as (url, builder):
+        with pytest.raises(BuildException, match="step 1"):
+            await AsyncTemplate.build(AsyncTemplate().run_cmd("false"), "on-default", **sdk(url))
+    (plan,) = builder.plans
+    assert plan.base == ("lbase",) and [s.name for s in plan.stages] == ["1"]  # no image, no provisioning

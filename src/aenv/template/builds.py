@@ -31,6 +31,7 @@ from aenv.snapshot.repository import RepositoryError, SnapshotNotFound
 from aenv.snapshot.templates import Stage, StageFailed, StepBuild
 from aenv.template.disk import base_layer, base_layer_key
 from aenv.template.image import ImageError
+from aenv.template.reference import parse_reference
 from aenv.template.registry import Credentials
 from aenv.template.runner import StepRunner
 from aenv.template.stepcache import StepCache
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 BUILT_MARK = "aenv.template-build"  # manifest metadata: the build that made this template
 MAX_LOG_ENTRIES = 100  # per status call, as E2B's API
 REASON_LINES = 20
+# `Template()` without a `from_*` builds on E2B's own base image: here that is the `base` template.
+E2B_BASE_IMAGE = "docker.io/e2bdev/base:latest"
+BASE_TEMPLATE = "base"
 PROVISION = Step(type="RUN", args=["aenv: create the default user and its home"])
 
 
@@ -253,6 +257,8 @@ class TemplateBuilds:
 
     async def _base(self, start: BuildStart, say: Any) -> tuple[tuple[str, ...], BuildState, bool]:
         """The layers a build starts on, the state they carry, and whether to provision them."""
+        if start.from_image is not None and _is_e2b_base(start.from_image):
+            start = start.model_copy(update={"from_image": None, "from_template": BASE_TEMPLATE})
         if start.from_template is not None:
             snapshot = self.resolve(start.from_template) or start.from_template
             try:
@@ -357,6 +363,13 @@ class TemplateBuilds:
     def building(self, name: str) -> bool:
         record = self.templates.get(name)
         return record is not None and any(b.status in ("waiting", "building") for b in record.builds.values())
+
+
+def _is_e2b_base(reference: str) -> bool:
+    try:
+        return str(parse_reference(reference)) == E2B_BASE_IMAGE
+    except ImageError:
+        return False
 
 
 def _entry(level: str, message: str, step: str) -> dict[str, Any]:
