@@ -180,7 +180,8 @@ def test_cached_prefix_stops_at_the_first_forced_or_missing_step(tmp_path: Path)
 
 async def test_the_sdk_default_image_is_the_base_template(tmp_path: Path) -> None:
     async with serving(tmp_path) as (url, builder):
+        template = AsyncTemplate().from_base_image().run_cmd("false")
         with pytest.raises(BuildException, match="step 1"):
-            await AsyncTemplate.build(AsyncTemplate().run_cmd("false"), "on-default", **sdk(url))
+            await AsyncTemplate.build(template, "on-default", **sdk(url))
     (plan,) = builder.plans
     assert plan.base == ("lbase",) and [s.name for s in plan.stages] == ["1"]  # no image, no provisioning
