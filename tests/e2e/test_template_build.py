@@ -65,7 +65,7 @@ def test_build_from_a_registry_image_with_every_step_and_rebuild_from_cache(
         .set_user("builder")
         .run_cmd("whoami > /tmp/who && pwd >> /tmp/who")
         .set_start_cmd(
-            "python3 -m http.server 8123 --directory /opt/app & touch /tmp/started; wait",
+            "python3 -m http.server 8123 --directory /srv & touch /tmp/started; wait",
             wait_for_file("/tmp/started"),
         )
     )
@@ -79,13 +79,18 @@ def test_build_from_a_registry_image_with_every_step_and_rebuild_from_cache(
 
     sandbox = Sandbox.create("e2e-image:v1")
     try:
-        assert run(sandbox, "stat -c '%U %a' /opt/app/main.py /opt/app/lib/util.py") == "user 750\nuser 750"
-        assert run(sandbox, "cat /opt/app/main.py /srv/notes.txt") == "print('from the app')\na note"
+        # /opt/app is the user's, mode 750: not for `builder`, the default user now
+        owners = run(sandbox, "stat -c '%U %a' /opt/app/main.py /opt/app/lib/util.py", user="root")
+        assert owners == "user 750\nuser 750"
+        assert (
+            run(sandbox, "cat /opt/app/main.py /srv/notes.txt", user="user")
+            == "print('from the app')\na note"
+        )
         assert run(sandbox, "echo $GREETING:$APP_HOME") == "hello from-image:/opt/app"
         assert run(sandbox, "cat greeting.txt; whoami; pwd") == "hello from-image\nbuilder\n/opt/work"
         assert run(sandbox, "cat /tmp/who") == "builder\n/opt/work"
-        fetched = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/main.py').read())\""
-        assert "from the app" in run(sandbox, fetched)  # the start command kept running in the snapshot
+        fetched = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/notes.txt').read())\""
+        assert "a note" in run(sandbox, fetched)  # the start command kept running in the snapshot
     finally:
         sandbox.kill()
 
