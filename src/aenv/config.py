@@ -80,6 +80,7 @@ class Settings:
     s3_secret_key: str | None = None
     cache_capacity_mib: int = 20480  # the runtime cache of an s3 repository (files QEMU opens)
     lease_ttl: float = 600.0  # a node silent this long is dead to the others: its leases expire
+    template_builds: int = 2  # user template builds running at once, each in its own VM
     log_level: str = "INFO"
 
     @property
@@ -105,7 +106,8 @@ class Settings:
                 problems.append("an s3 repository needs its region: set AENV_S3_REGION")
         elif "://" in self.repository:
             problems.append(f"repository must be a directory or s3://BUCKET/PREFIX, got {self.repository!r}")
-        for name in ("memory_mib", "default_timeout", "max_timeout", "max_fork_count", "cache_capacity_mib"):
+        positive = ("memory_mib", "default_timeout", "max_timeout", "max_fork_count", "cache_capacity_mib")
+        for name in (*positive, "template_builds"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         if self.vcpus < 0:

@@ -28,6 +28,7 @@ from .. import __version__
 from ..agent.envd import ENVD_VERSION
 from ..orchestrator.errors import (
     Conflict,
+    Forbidden,
     InsufficientStorage,
     InvalidRequest,
     NotFound,
@@ -38,7 +39,7 @@ from ..orchestrator.errors import (
 from ..orchestrator.interface import CreateRequest, ListQuery, NodeService
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
-from . import openapi, schemas, views
+from . import openapi, schemas, templates, views
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ LIMITS_KEY = web.AppKey("limits", dict)
 # The one place where kinds of failure become HTTP statuses.
 STATUS: dict[type[SandboxError], int] = {
     InvalidRequest: 400,
+    Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
     Unavailable: 503,
@@ -107,7 +109,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def auth_middleware(api_key: str) -> Callable[..., Any]:
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PUBLIC_PATHS:
+        if request.path in PUBLIC_PATHS or getattr(request.match_info.handler, "presigned", False):
             return await handler(request)
         presented = request.headers.getall("X-API-Key", [])
         if len(presented) != 1 or not hmac.compare_digest(presented[0].encode(), api_key.encode()):
@@ -303,6 +305,7 @@ class NodeAPI:
             ("DELETE", "/templates/{templateID}", self.delete_template),
             ("GET", "/nodes", self.list_nodes),
             ("GET", "/nodes/{nodeID}", self.get_node),
+            *templates.routes(self.node, parse),
         ]
 
     # -- proxy resolver --------------------------------------------------------------------

@@ -21,6 +21,10 @@ class InvalidRequest(SandboxError):
     """The request itself is wrong (a value out of range, a name that cannot be used)."""
 
 
+class Forbidden(SandboxError):
+    """The request's credentials do not allow it (an upload URL with a bad signature, expired)."""
+
+
 class NotFound(SandboxError):
     """No such sandbox, template or snapshot (or none in a state the operation can see)."""
 

@@ -8,12 +8,15 @@ of `aenv.orchestrator.errors`.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from ..network.netns import SandboxNetwork
 from ..snapshot.manifest import SnapshotManifest
+from ..template.builds import TagInfo
+from ..template.steps import BuildRequest, BuildStart
 from .housekeeping import GcTotals
 from .store import SandboxRecord
 
@@ -50,6 +53,24 @@ class Route:
 
     record: SandboxRecord
     network: SandboxNetwork
+
+
+@dataclass(frozen=True)
+class BuildTicket:
+    """A registered template build, waiting for its steps."""
+
+    template_id: str
+    build_id: str
+    tags: list[str]
+
+
+@dataclass(frozen=True)
+class FileLink:
+    """Whether a COPY's files are here; if not, the expiry and signature of their upload URL."""
+
+    present: bool
+    expires: int = 0
+    signature: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +139,38 @@ class NodeService(Protocol):
     async def delete_template(self, reference: str) -> None: ...
 
     async def status(self) -> NodeStatus: ...
+
+    # -- template builds (the E2B template build API) ---------------------------------------
+
+    async def request_template_build(self, request: BuildRequest) -> BuildTicket: ...
+
+    async def template_file(self, template_id: str, files_hash: str) -> FileLink: ...
+
+    async def receive_template_file(
+        self,
+        template_id: str,
+        files_hash: str,
+        expires: str,
+        signature: str,
+        chunks: AsyncIterator[bytes],
+        size: int | None,
+    ) -> None:
+        """Store a COPY's files sent to a presigned URL (checked here: signature, expiry, size)."""
+        ...
+
+    async def start_template_build(self, template_id: str, build_id: str, start: BuildStart) -> None: ...
+
+    async def template_build_status(
+        self, template_id: str, build_id: str, offset: int, limit: int
+    ) -> dict[str, Any]:
+        """E2B's `TemplateBuildInfo`: status, log entries from `offset`, and a failure's reason."""
+        ...
+
+    async def assign_template_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]: ...
+
+    async def remove_template_tags(self, name: str, tags: list[str]) -> None: ...
+
+    async def template_tags(self, reference: str) -> list[TagInfo]: ...
 
     async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
         """The running sandbox's route; a paused one with auto-resume on is resumed if `resume`."""

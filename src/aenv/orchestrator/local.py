@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
-from .errors import Conflict, NotFound
+from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
+from ..template.image import ImageError
+from ..template.steps import BuildRequest, BuildStart
+from .errors import Conflict, Forbidden, InvalidRequest, NotFound, SandboxError
 from .housekeeping import Housekeeper
-from .interface import CreateRequest, ListQuery, NodeStatus, Route
+from .interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus, Route
 from .service import Orchestrator, Sandbox, catalog_name
 from .states import api_state
 from .store import SandboxRecord
@@ -25,6 +30,18 @@ from .store import SandboxRecord
 log = logging.getLogger(__name__)
 
 FORK_MARK = "aenv.fork-of"  # metadata of the hidden snapshot a fork's children start from
+
+
+ERROR_KINDS: dict[int, type[SandboxError]] = {403: Forbidden, 404: NotFound, 409: Conflict}
+
+
+@contextlib.contextmanager
+def template_errors() -> Iterator[None]:
+    """Template and image errors as the node service's kinds (by the status they carry)."""
+    try:
+        yield
+    except ImageError as exc:
+        raise ERROR_KINDS.get(exc.status, InvalidRequest)(str(exc)) from exc
 
 
 def _started(record: SandboxRecord) -> datetime:
@@ -54,6 +71,10 @@ class LocalNode:
         self.housekeeper = housekeeper
         self.node_id = node_id
         self._engine = orchestrator.engine
+        settings = orchestrator.settings
+        self.builds = TemplateBuilds(
+            settings.home_path / "templates", self._engine, max_concurrent=settings.template_builds
+        )
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:
         return self.orchestrator.get(sandbox_id)
@@ -61,6 +82,10 @@ class LocalNode:
     # -- sandboxes -------------------------------------------------------------------------
 
     async def create(self, request: CreateRequest) -> SandboxRecord:
+        with template_errors():
+            built = self.builds.resolve(request.template)  # `name:tag` of a user-built template
+        if built is not None:
+            request = dataclasses.replace(request, template=built)
         return (await self.orchestrator.create(request)).record
 
     async def get(self, sandbox_id: str) -> SandboxRecord:
@@ -140,12 +165,16 @@ class LocalNode:
         return manifest
 
     async def delete_template(self, reference: str) -> None:
-        """Delete a snapshot; one still used by sandboxes goes when the last one does.
+        """Delete a snapshot or a user-built template; one still used by sandboxes goes when the
+        last one does.
 
-        Templates are the node's own (it builds them, `base` at its first start, and keeps warm
-        guests of each): deleting one would break creates until a restart, so it is refused.
+        The node's own templates (`base`, built at its first start) are refused: creates and a
+        warm pool rely on them. A user-built template's warm guests are ended first.
         """
         manifest = await self.find(reference)
+        if BUILT_MARK in manifest.metadata and manifest.alias in self.builds.templates:
+            await self._delete_built(manifest.alias)
+            return
         pool = self._engine.pool
         if manifest.kind == "template" or pool.target(manifest.id) > 0:
             name = manifest.alias or manifest.id
@@ -158,6 +187,66 @@ class LocalNode:
         except RepositoryError as exc:
             raise Conflict(str(exc)) from exc
         log.info("deleted %s %s (alias %s) at the API's request", manifest.kind, manifest.id, manifest.alias)
+
+    async def _delete_built(self, name: str) -> None:
+        if self.builds.building(name):
+            raise Conflict(f"template '{name}' has a build in progress; delete it when the build ends")
+        pool = self._engine.pool
+        for snapshot_id in self.builds.forget(name):
+            await pool.drain(snapshot_id)
+            with contextlib.suppress(SnapshotNotFound):
+                self._engine.repository.delete(snapshot_id, defer=True)
+        log.info("deleted user-built template %s at the API's request", name)
+
+    # -- template builds -------------------------------------------------------------------
+
+    async def request_template_build(self, request: BuildRequest) -> BuildTicket:
+        with template_errors():
+            record, build, tags = self.builds.request(request)
+        return BuildTicket(record.template_id, build.build_id, tags)
+
+    async def template_file(self, template_id: str, files_hash: str) -> FileLink:
+        with template_errors():
+            self.builds.template(template_id)
+            if self.builds.uploads.present(files_hash):
+                return FileLink(present=True)
+            expires, signature = self.builds.uploads.sign(template_id, files_hash)
+        return FileLink(present=False, expires=expires, signature=signature)
+
+    async def receive_template_file(
+        self,
+        template_id: str,
+        files_hash: str,
+        expires: str,
+        signature: str,
+        chunks: AsyncIterator[bytes],
+        size: int | None,
+    ) -> None:
+        with template_errors():
+            self.builds.uploads.authorize(template_id, files_hash, expires, signature)
+            await self.builds.uploads.receive(files_hash, chunks, size)
+
+    async def start_template_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
+        with template_errors():
+            self.builds.start(template_id, build_id, start)
+
+    async def template_build_status(
+        self, template_id: str, build_id: str, offset: int, limit: int
+    ) -> dict[str, Any]:
+        with template_errors():
+            return self.builds.status(template_id, build_id, offset, limit)
+
+    async def assign_template_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        with template_errors():
+            return self.builds.assign_tags(target, tags)
+
+    async def remove_template_tags(self, name: str, tags: list[str]) -> None:
+        with template_errors():
+            self.builds.remove_tags(name, tags)
+
+    async def template_tags(self, reference: str) -> list[TagInfo]:
+        with template_errors():
+            return self.builds.tags(reference)
 
     # -- node ------------------------------------------------------------------------------
 

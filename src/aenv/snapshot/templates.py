@@ -5,6 +5,12 @@ template's start command until its ready check passes, and is stopped and saved 
 (`aenv.vmm.migration.save`). The file then becomes the memory image blob, the stream's prefix
 and the device sections become blobs too, the boot disk's writable layer is sealed, and the
 manifest is committed last: an interrupted build leaves no template behind.
+
+User builds (`build_steps`, the E2B template build API) boot the same way on a given layer
+chain (an image's root filesystem, or another template's disk) and first run their steps in
+the guest. After each step the disk's top layer is frozen under a new one while the guest runs
+(`migration.seal_disk`) and recorded in the step cache, so a rebuild boots on the last layer
+whose steps are unchanged and runs only the rest.
 """
 
 from __future__ import annotations
@@ -12,9 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..guest.artifacts import GuestArtifacts
+from ..storage.layers import new_layer_id
+from ..template.runner import StepRunner
+from ..template.stepcache import CachedStep, StepCache
+from ..template.steps import BuildState, Step, step_key
 from ..vmm import migration
 from ..vmm.accel import default_vcpus
 from ..vmm.envd_link import EnvdLink
@@ -27,6 +39,40 @@ from .model import EngineError, GuestInit
 from .repository import file_digest
 
 log = logging.getLogger(__name__)
+
+StageRun = Callable[[StepRunner, BuildState], Awaitable[BuildState]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One cached unit of a user build: the base step's provisioning or a user step."""
+
+    name: str  # as the SDK names steps: "base", "1", "2", ...
+    key: Step  # what the cache key is made of
+    run: StageRun
+    forced: bool = False
+
+
+@dataclass(frozen=True)
+class StepBuild:
+    """A user build as the VM side sees it: where it starts and what it runs."""
+
+    base: tuple[str, ...]  # sealed disk layers, bottom to top
+    state: BuildState  # ENV, USER and WORKDIR before the first stage
+    stages: list[Stage]
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    vcpus: int | None = None
+    memory_mib: int = 512
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+class StageFailed(EngineError):
+    """A stage of a user build failed; `stage` names it as the SDK reports failed steps."""
+
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
 
 
 class TemplateBuilder:
@@ -64,12 +110,7 @@ class TemplateBuilder:
             )  # fmt: skip
             guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
             await self._prepare(guest, runtime, ready_timeout)
-            guest.envd.close()  # clones should not inherit an open connection to this host
-            await migration.stop(guest.vm)
-            await migration.save(guest.vm, staging / "vmstate", staging / "devices")
-            await guest.vm.command("quit")
-            await guest.vm.wait(30)
-            await guest.destroy(keep_files=True)
+            await self._save(guest, staging)
             guest = None
             layers.seal(upper)
             manifest = await asyncio.to_thread(
@@ -85,6 +126,98 @@ class TemplateBuilder:
             host.repository.discard_staging(staging)
         log.info("template %s (%s) built in %.1f s", manifest.id, alias, time.monotonic() - started)
         return manifest
+
+    async def build_steps(
+        self,
+        plan: StepBuild,
+        cache: StepCache,
+        runner: Callable[[GuestVM], StepRunner],
+        say: Callable[[str, str], None],
+    ) -> SnapshotManifest:
+        """Run a user build's stages (cached ones skipped), finalize it and commit the template.
+
+        `say(stage, message)` logs progress; a failed stage raises `StageFailed`. On failure
+        nothing is committed and no VM is left; layers of stages that passed stay cached.
+        """
+        host, layers = self.host, self.host.layers
+        chain, state, first = self._cached_prefix(plan, cache, say)
+        staging = host.repository.staging_dir()
+        guest: GuestVM | None = None
+        upper = await layers.create_upper(chain[-1])
+        try:
+            shape = await self._machine(plan.vcpus or default_vcpus(host.accel), plan.memory_mib)
+            config = guest_machine(
+                host.runtime.boot_files(shape), layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
+                memory_mib=shape.memory_mib, memory_mode=MemoryMode.SHARED_FILE,
+                memory_path=staging / "memory.img",
+            )  # fmt: skip
+            try:
+                guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
+                await guest.envd.init(GuestInit(default_user="root").payload())
+            except Exception as exc:
+                raise StageFailed("base", f"the build VM did not start: {exc}") from exc
+            node = "root"
+            for stage in plan.stages[first:]:
+                say(stage.name, describe(stage, plan))
+                try:
+                    state = await stage.run(runner(guest), state)
+                    await guest.envd.execute(["/bin/sh", "-c", "sync"], timeout=300)
+                except Exception as exc:
+                    raise StageFailed(stage.name, str(exc)) from exc
+                top = new_layer_id()
+                try:
+                    await migration.seal_disk(guest.vm, node, layers.path(top), f"n{top}")
+                except BaseException:
+                    layers.remove(top)
+                    raise
+                layers.seal(upper)
+                chain = (*chain, upper)
+                cache.put(stage_key(chain[-2], stage), CachedStep(chain, state))
+                upper, node = top, f"n{top}"
+            runtime = RuntimeContext(
+                env_vars=state.env, workdir=state.workdir, user=state.user,
+                start_cmd=plan.start_cmd, ready_cmd=plan.ready_cmd,
+            )  # fmt: skip
+            say("finalize", "starting the template" if plan.start_cmd else "saving the template")
+            try:
+                await self._prepare(guest, runtime, 300.0)
+            except Exception as exc:
+                raise StageFailed("finalize", str(exc)) from exc
+            await self._save(guest, staging)
+            guest = None
+            layers.seal(upper)
+            return await asyncio.to_thread(
+                self._commit, staging, None, (*chain, upper), runtime, plan.metadata, shape
+            )
+        except BaseException:
+            if guest is not None:
+                await guest.destroy()
+            layers.remove(upper)
+            raise
+        finally:
+            host.repository.discard_staging(staging)
+
+    def _cached_prefix(
+        self, plan: StepBuild, cache: StepCache, say: Callable[[str, str], None]
+    ) -> tuple[tuple[str, ...], BuildState, int]:
+        """The layer chain and state after the longest run of cached, unforced first stages."""
+        chain, state = plan.base, plan.state
+        for index, stage in enumerate(plan.stages):
+            hit = None if stage.forced else cache.get(stage_key(chain[-1], stage), self.host.layers.exists)
+            if hit is None:
+                return chain, state, index
+            say(stage.name, f"CACHED {describe(stage, plan)}")
+            chain, state = hit.chain, hit.state
+        return chain, state, len(plan.stages)
+
+    async def _save(self, guest: GuestVM, staging: Path) -> None:
+        """Stop the guest and save its state without RAM; the VM is gone afterwards."""
+        guest.envd.close()  # clones should not inherit an open connection to this host
+        await migration.stop(guest.vm)
+        await migration.save(guest.vm, staging / "vmstate", staging / "devices")
+        await guest.vm.command("quit")
+        await guest.vm.wait(30)
+        await guest.destroy(keep_files=True)
 
     async def _machine(self, vcpus: int, memory_mib: int) -> MachineShape:
         """The template's machine, its boot files stored in the repository first."""
@@ -108,7 +241,7 @@ class TemplateBuilder:
         self,
         staging: Path,
         alias: str | None,
-        layers: tuple[str, str],
+        layers: tuple[str, ...],
         runtime: RuntimeContext,
         metadata: dict[str, str],
         shape: MachineShape,
@@ -153,3 +286,14 @@ async def start_runtime(envd: EnvdLink, runtime: RuntimeContext, timeout: float)
             if time.monotonic() > deadline:
                 raise EngineError(f"ready check {runtime.ready_cmd!r} did not pass within {timeout:.0f} s")
             await asyncio.sleep(0.5)
+
+
+def stage_key(parent: str, stage: Stage) -> str:
+    return step_key(parent, stage.key)
+
+
+def describe(stage: Stage, plan: StepBuild) -> str:
+    """A stage as build logs show it: ``[step 3/7] RUN make`` (the progress the CLI shows)."""
+    steps = sum(1 for s in plan.stages if s.name != "base")
+    where = "[base]" if stage.name == "base" else f"[step {stage.name}/{steps}]"
+    return f"{where} {stage.key.type} {' '.join(stage.key.args)[:200]}"

@@ -12,7 +12,9 @@ import contextlib
 import http.client
 import json
 import time
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from ..agent.envd import ENVD_PORT
 from ..agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
@@ -188,7 +190,28 @@ class EnvdLink:
         Returns the exit code, or None for a background command (it keeps running after the
         call, as envd keeps processes alive when their client goes away).
         """
-        process: dict[str, Any] = {"cmd": "/bin/bash", "args": ["-l", "-c", cmd], "envs": envs or {}}
+        return await self.execute(
+            ["/bin/bash", "-l", "-c", cmd],
+            user=user,
+            envs=envs,
+            cwd=cwd,
+            background=background,
+            timeout=timeout,
+        )
+
+    async def execute(
+        self,
+        argv: list[str],
+        *,
+        user: str = "root",
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        background: bool = False,
+        timeout: float = 30.0,
+        on_output: Callable[[bytes], None] | None = None,
+    ) -> int | None:
+        """Run `argv` as `user`; `on_output` gets its stdout and stderr as they arrive (in a thread)."""
+        process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:], "envs": envs or {}}
         if cwd:
             process["cwd"] = cwd
         message = json.dumps({"process": process}).encode()
@@ -199,9 +222,26 @@ class EnvdLink:
         })  # fmt: skip
         if not background:
             headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
-        return await asyncio.to_thread(self._start, message, headers, background, timeout)
+        return await asyncio.to_thread(self._start, message, headers, background, timeout, on_output)
 
-    def _start(self, message: bytes, headers: dict[str, str], background: bool, timeout: float) -> int | None:
+    async def write_file(self, path: str, data: bytes, *, timeout: float = 300.0) -> None:
+        """Write `data` to `path` in the guest as root (envd's octet-stream upload)."""
+        headers = self._headers({"Content-Type": "application/octet-stream"})
+        status, answer = await asyncio.to_thread(
+            self._request, "POST", f"/files?path={quote(path)}&username=root", body=data,
+            headers=headers, timeout=timeout,
+        )  # fmt: skip
+        if status >= 300:
+            raise RuntimeError(f"envd /files answered {status}: {answer[:200]!r}")
+
+    def _start(
+        self,
+        message: bytes,
+        headers: dict[str, str],
+        background: bool,
+        timeout: float,
+        on_output: Callable[[bytes], None] | None = None,
+    ) -> int | None:
         conn = _GuestHTTPConnection(self.network, ENVD_PORT, timeout)
         try:
             conn.request("POST", "/process.Process/Start", envelope(message), headers)
@@ -218,6 +258,9 @@ class EnvdLink:
                 event = frame.get("event", {})
                 if background and "start" in event:
                     return None
+                if on_output is not None and "data" in event:
+                    for chunk in event["data"].values():
+                        on_output(base64.b64decode(chunk))
                 if "end" in event:
                     return int(event["end"].get("exitCode", 0))
             raise RuntimeError("envd Start ended without an end event")

@@ -1,0 +1,189 @@
+"""Template builds through the official SDK (`Template.build`), on real build VMs.
+
+A Debian image (with python3, which envd needs in images for now) is served by a local
+docker-registry; templates are built from it and from `base` with every step type, a failing
+step, a cached rebuild, and sandboxes then start from the results by name and tag.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import Sandbox, Template, wait_for_file
+from e2b.exceptions import BuildException
+
+from tests.e2e.conftest import NodeServer
+from tests.template.conftest import run_registry
+from tests.template.debian import debian_layout
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``<registry>/debian-py:12`` in a local registry started for this module."""
+    workdir = tmp_path_factory.mktemp("template-registry")
+    layout = debian_layout(workdir / "layout")
+    with run_registry(workdir / "registry") as registry:
+        registry.push(layout, "12", "debian-py:12")
+        yield f"{registry.host}/debian-py:12"
+
+
+def build_context(root: Path) -> Path:
+    (root / "app" / "lib").mkdir(parents=True)
+    (root / "app" / "main.py").write_text("print('from the app')\n")
+    (root / "app" / "lib" / "util.py").write_text("VALUE = 42\n")
+    (root / "notes.txt").write_text("a note\n")
+    return root
+
+
+def delete_template(node: NodeServer, name: str) -> None:
+    answer = httpx.delete(f"{node.url}/templates/{name}", headers={"X-API-Key": node.key})
+    assert answer.status_code == 204, answer.text
+
+
+def run(sandbox: Sandbox, cmd: str, **kwargs: object) -> str:
+    return sandbox.commands.run(cmd, **kwargs).stdout.strip()
+
+
+def test_build_from_a_registry_image_with_every_step_and_rebuild_from_cache(
+    node: NodeServer, image: str, tmp_path: Path
+) -> None:
+    context = build_context(tmp_path)
+    template = (
+        Template(file_context_path=str(context))
+        .from_image(image)
+        .copy("app", "/opt/app", user="user", mode=0o750)
+        .copy("notes.txt", "/srv/")
+        .set_envs({"GREETING": "hello $IMAGE_VAR", "APP_HOME": "/opt/app"})
+        .set_workdir("/opt/work")
+        .run_cmd("echo running-as-$(whoami); echo $GREETING > greeting.txt", user="root")
+        .set_user("builder")
+        .run_cmd("whoami > /tmp/who && pwd >> /tmp/who")
+        .set_start_cmd(
+            "python3 -m http.server 8123 --directory /srv & touch /tmp/started; wait",
+            wait_for_file("/tmp/started"),
+        )
+    )
+    logs: list[str] = []
+    info = Template.build(template, "e2e-image:v1", on_build_logs=lambda e: logs.append(e.message))
+    assert info.template_id == "e2e-image"
+    text = "\n".join(logs)
+    assert "running-as-root" in text, text
+    assert Template.exists("e2e-image")
+    assert [t.tag for t in Template.get_tags("e2e-image")] == ["v1"]
+
+    sandbox = Sandbox.create("e2e-image:v1")
+    try:
+        # /opt/app is the user's, mode 750: not for `builder`, the default user now
+        owners = run(sandbox, "stat -c '%U %a' /opt/app/main.py /opt/app/lib/util.py", user="root")
+        assert owners == "user 750\nuser 750"
+        assert (
+            run(sandbox, "cat /opt/app/main.py /srv/notes.txt", user="user")
+            == "print('from the app')\na note"
+        )
+        assert run(sandbox, "echo $GREETING:$APP_HOME") == "hello from-image:/opt/app"
+        assert run(sandbox, "cat greeting.txt; whoami; pwd") == "hello from-image\nbuilder\n/opt/work"
+        assert run(sandbox, "cat /tmp/who") == "builder\n/opt/work"
+        fetched = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/notes.txt').read())\""
+        assert "a note" in run(sandbox, fetched)  # the start command kept running in the snapshot
+    finally:
+        sandbox.kill()
+
+    logs.clear()
+    Template.build(template, "e2e-image:v2", on_build_logs=lambda e: logs.append(e.message))
+    cached = [line for line in logs if line.startswith("CACHED")]
+    assert len(cached) == 8, logs  # the base step and all seven steps
+    assert sorted(t.tag for t in Template.get_tags("e2e-image")) == ["v1", "v2"]
+    Template.remove_tags("e2e-image", ["v1"])
+    assert [t.tag for t in Template.get_tags("e2e-image")] == ["v2"]
+    delete_template(node, "e2e-image")
+    assert not Template.exists("e2e-image")
+
+
+def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:
+    template = (
+        Template().from_template("base").set_envs({"MARK": "from-base"}).run_cmd("echo $MARK > /tmp/mark")
+    )
+    Template.build(template, "e2e-on-base")
+    sandbox = Sandbox.create("e2e-on-base")
+    try:
+        assert run(sandbox, "cat /tmp/mark; whoami") == "from-base\nuser"
+    finally:
+        sandbox.kill()
+
+    failing = (
+        Template().from_template("e2e-on-base").run_cmd("echo fine").run_cmd("echo about-to-fail; exit 3")
+    )
+    logs: list[str] = []
+    with pytest.raises(BuildException, match="step 2") as failure:
+        Template.build(failing, "e2e-failing", on_build_logs=lambda e: logs.append(e.message))
+    assert "exit" in str(failure.value) or "code 3" in str(failure.value)
+    assert "about-to-fail" in "\n".join(logs)
+    staging = node.home / "repository" / "staging"
+    assert not staging.exists() or not list(staging.iterdir())
+    assert not any("aenv-b" in name for name in node.owned_netns())
+    with pytest.raises(Exception):  # noqa: B017 - nothing was committed under the name
+        Sandbox.create("e2e-failing")
+    delete_template(node, "e2e-on-base")
+
+
+def test_uploads_need_a_valid_signature(node: NodeServer) -> None:
+    headers = {"X-API-Key": node.key}
+    with httpx.Client(base_url=node.url, headers=headers) as api:
+        created = api.post("/v3/templates", json={"name": "e2e-uploads"})
+        assert created.status_code == 202
+        template_id = created.json()["templateID"]
+        assert api.get(f"/templates/{template_id}/files/not-a-hash").status_code == 400
+        link = api.get(f"/templates/{template_id}/files/{'a' * 64}")
+        assert link.status_code == 201 and link.json()["present"] is False
+        url = httpx.URL(link.json()["url"])
+    with httpx.Client() as anonymous:
+        for bad in (
+            url.copy_set_param("signature", "0" * 64),
+            url.copy_set_param("expires", "1"),
+            url.copy_with(path=f"/templates/{template_id}/files/{'b' * 64}"),
+        ):
+            refused = anonymous.put(bad, content=b"data")
+            assert refused.status_code == 403, refused.text
+            assert set(refused.json()) >= {"code", "message"}
+        assert anonymous.put(url, content=b"not a tar").status_code == 200
+    with httpx.Client(base_url=node.url, headers=headers) as api:
+        # stored but not trusted: only a build that checked it against its hash marks it present
+        assert api.get(f"/templates/{template_id}/files/{'a' * 64}").json()["present"] is False
+
+
+def aenv_cli(node: NodeServer, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AENV_URL": node.url, "AENV_API_KEY": node.key}
+    command = [sys.executable, "-m", "aenv.cli", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+
+def test_cli_builds_a_dockerfile(node: NodeServer, image: str, tmp_path: Path) -> None:
+    context = build_context(tmp_path / "ctx")
+    (context / "Dockerfile").write_text(
+        f"FROM {image}\nCOPY app /opt/cli-app\nENV CLI_VAR=cli\nWORKDIR /opt/cli-app\n"
+        "RUN echo built-by-$CLI_VAR > built.txt\n"
+    )
+    built = aenv_cli(node, "template", "build", str(context), "--name", "e2e-cli:latest")
+    assert built.returncode == 0, built.stderr
+    assert "Built e2e-cli:latest" in built.stdout and "built.txt" in built.stderr  # the live log
+    sandbox = Sandbox.create("e2e-cli:latest")
+    try:
+        assert run(sandbox, "cat built.txt lib/util.py") == "built-by-cli\nVALUE = 42"
+    finally:
+        sandbox.kill()
+    assert "e2e-cli" in aenv_cli(node, "template", "info", "e2e-cli", "-o", "json").stdout
+
+    (context / "Broken").write_text(f"FROM {image}\nRUN echo fine\nRUN echo failing-now; exit 5\n")
+    failed = aenv_cli(
+        node, "template", "build", str(context), "-f", str(context / "Broken"), "--name", "e2e-cli"
+    )
+    assert failed.returncode != 0
+    # the SDK's converter starts with USER root and WORKDIR / (Docker's defaults): the RUN is step 4
+    assert "step 4" in failed.stderr and "failing-now" in failed.stderr
+    assert aenv_cli(node, "template", "rm", "e2e-cli").returncode == 0
