@@ -28,6 +28,7 @@ def image_sandbox(image_name, guest_artifacts, node_loop, tmp_path_factory):
     """A cold-booted guest of the image, its envd initialised with a token and forwarded to loopback."""
     from aenv.agent.envd import ENVD_PORT
     from aenv.network.forward import forward_port
+    from aenv.vmm.envd_link import utc_timestamp
     from aenv.vmm.launcher import boot_base_guest
 
     artifacts = dataclasses.replace(guest_artifacts, base_image=image_disk(image_name))
@@ -36,7 +37,8 @@ def image_sandbox(image_name, guest_artifacts, node_loop, tmp_path_factory):
     server = None
     try:
         token = secrets.token_hex(16)
-        node_loop.run(guest.envd.init({"accessToken": token}))
+        # As the node does: the token, and the wall clock (microvm has no RTC to read it from).
+        node_loop.run(guest.envd.init({"accessToken": token, "timestamp": utc_timestamp()}))
         server = node_loop.run(forward_port(guest.network, ENVD_PORT))
         port = server.sockets[0].getsockname()[1]
         yield RunningSandbox(SimpleNamespace(sandbox_id=name, guest=guest), f"http://127.0.0.1:{port}", token)
