@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from aenv.guest import artifacts, initramfs, kernel, rootfs, tools
+from aenv.guest import artifacts, initramfs, kernel, rootfs, runtime, tools
 
 
 def _fail(*args: object) -> None:
@@ -18,6 +18,7 @@ def test_second_call_rebuilds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         (initramfs, "_build"),
         (rootfs, "_build"),
         (tools, "_build"),
+        (runtime, "_build"),
     ):
         monkeypatch.setattr(module, name, _fail)
     started = time.monotonic()

@@ -59,14 +59,16 @@ def test_interrupted_build_leaves_nothing(cache_root: Path) -> None:
 
 
 def test_envd_change_changes_only_tools_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aenv.guest import rootfs
+    from aenv.guest import rootfs, runtime
 
     envd = tmp_path / "envd"
     envd.mkdir()
     (envd / "__init__.py").write_text("")
     monkeypatch.setattr(tools, "ENVD_SOURCE", envd)
-    tools_before, rootfs_before = tools.tools_key(), rootfs.rootfs_key()
-    assert tools.tools_key() == tools_before
+    runtime_before = runtime.runtime_key()
+    tools_before, rootfs_before = tools.tools_key(runtime_before), rootfs.rootfs_key()
+    assert tools.tools_key(runtime_before) == tools_before
     (envd / "server.py").write_text("PORT = 49983\n")
-    assert tools.tools_key() != tools_before
+    assert tools.tools_key(runtime_before) != tools_before
     assert rootfs.rootfs_key() == rootfs_before
+    assert runtime.runtime_key() == runtime_before, "envd is not part of the runtime: it is not rebuilt"

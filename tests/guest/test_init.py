@@ -16,7 +16,18 @@ def test_parse_cmdline() -> None:
 def test_envd_environment() -> None:
     env = init.envd_env()
     assert env["PYTHONPATH"] == "/opt/aenv/lib"
+    assert env["PYTHONHOME"] == "/opt/aenv/runtime/python"
+    assert not any(name.startswith("LD_") for name in env), "the loader is told on its command line"
+
     assert "/usr/bin" in env["PATH"].split(":")
+
+
+def test_shipped_programs_run_on_the_drive_s_loader() -> None:
+    argv = init.shipped("ip", "-batch", "-")
+    assert argv == [
+        "/opt/aenv/runtime/lib/ld-linux-x86-64.so.2", "--library-path", "/opt/aenv/runtime/lib",
+        "/opt/aenv/runtime/bin/ip", "-batch", "-",
+    ]  # fmt: skip
 
 
 def test_envd_backoff_grows_and_caps() -> None:

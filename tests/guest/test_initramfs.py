@@ -45,7 +45,9 @@ def test_init_script_finds_disks_by_label() -> None:
     script = initramfs.INIT_SCRIPT
     assert 'findfs "LABEL=$1"' in script
     assert "find_label aenv-root" in script and "find_label aenv-tools" in script
-    assert "switch_root /newroot /usr/bin/python3" in script
+    # init runs on the tools drive's runtime, through its own loader: nothing of the image's
+    assert "switch_root /newroot /opt/aenv/runtime/lib/ld-linux-x86-64.so.2 --library-path" in script
+    assert "export PYTHONHOME=/opt/aenv/runtime/python" in script
     assert "/dev/vda" not in script and "/dev/vdb" not in script
 
 

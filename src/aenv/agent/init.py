@@ -1,7 +1,9 @@
 """aenv guest init (PID 1): prepare the system, keep envd running, shut down cleanly.
 
-Runs under the guest's own /usr/bin/python3 from the read-only tools drive, so it uses the
-standard library only. Every step and every problem goes to /dev/console, which the host
+Runs, like envd, on the Python runtime of the read-only tools drive (``aenv.guest.runtime``),
+started through the drive's own dynamic loader: nothing is needed from the image (no Python, no
+shell, any libc or none), and nothing of the runtime leaks into the image's processes. It uses
+the standard library only. Every step and every problem goes to /dev/console, which the host
 keeps as the sandbox's serial log. Kernel command line keys: ``aenv.hostname=``,
 ``aenv.dns=``.
 """
@@ -17,6 +19,12 @@ import sys
 import time
 
 TOOLS = "/opt/aenv"
+# The shipped runtime (built by aenv.guest.runtime, which takes these paths from here).
+RUNTIME = f"{TOOLS}/runtime"
+RUNTIME_LIB = f"{RUNTIME}/lib"
+RUNTIME_BIN = f"{RUNTIME}/bin"
+LOADER = f"{RUNTIME_LIB}/ld-linux-x86-64.so.2"
+PYTHON_HOME = f"{RUNTIME}/python"
 GUEST_IP = "169.254.0.21/30"
 GATEWAY = "169.254.0.22"
 DEFAULT_HOSTNAME = "aenv"
@@ -124,12 +132,23 @@ def mount_filesystems() -> None:
 def set_hostname(name: str) -> None:
     with open("/proc/sys/kernel/hostname", "w") as f:
         f.write(name)
+    os.makedirs("/etc", exist_ok=True)  # an image may come without one
     with open("/etc/hostname", "w") as f:
         f.write(name + "\n")
-    with open("/etc/hosts") as f:
-        lines = [line for line in f.read().splitlines() if not line.startswith("127.0.1.1")]
+    try:
+        with open("/etc/hosts") as f:
+            lines = [line for line in f.read().splitlines() if not line.startswith("127.0.1.1")]
+    except FileNotFoundError:
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
     with open("/etc/hosts", "w") as f:
         f.write("\n".join([*lines, f"127.0.1.1\t{name}"]) + "\n")
+
+
+def shipped(program: str, *args: str) -> list[str]:
+    """argv running one of the tools drive's programs on the drive's own loader and libraries.
+
+    ``--library-path`` applies to that process only: what it execs uses the image's libraries."""
+    return [LOADER, "--library-path", RUNTIME_LIB, f"{RUNTIME_BIN}/{program}", *args]
 
 
 def spawn(argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -176,7 +195,7 @@ def configure_network(dns: str) -> None:
         ]
     else:
         log("no eth0: the VM has no network device; loopback only")
-    code = run(["/usr/sbin/ip", "-force", "-batch", "-"], b"\n".join(commands) + b"\n")
+    code = run(shipped("ip", "-force", "-batch", "-"), b"\n".join(commands) + b"\n")
     if code != 0:
         log(f"warning: ip exited {code}")
     if os.path.islink("/etc/resolv.conf"):
@@ -186,15 +205,16 @@ def configure_network(dns: str) -> None:
 
 
 def envd_env() -> dict[str, str]:
+    """envd's own environment; the processes it starts get one of their own (see envd's process)."""
     return {
         "PATH": PATH,
+        "PYTHONHOME": PYTHON_HOME,
         "PYTHONPATH": f"{TOOLS}/lib",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
         "HOME": "/root",
         "USER": "root",
         "LANG": "C.UTF-8",
-        "SHELL": "/bin/bash",
     }
 
 
@@ -209,15 +229,8 @@ class Envd:
 
     def start(self) -> None:
         self.restart_at = None
-        argv = [
-            "/usr/bin/python3",
-            "-m",
-            "aenv_envd",  # on its own port (aenv_envd.ENVD_PORT)
-            "--host-peer",
-            GATEWAY,
-            "--state-file",
-            ENVD_STATE,
-        ]
+        # -S: envd's packages come from PYTHONPATH; skipping site saves start time under TCG.
+        argv = shipped("python3", "-S", "-m", "aenv_envd", "--host-peer", GATEWAY, "--state-file", ENVD_STATE)
         try:
             self.pid = spawn(argv, envd_env())
         except OSError as e:

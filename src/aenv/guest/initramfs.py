@@ -1,7 +1,8 @@
 """Initramfs: busybox plus the virtio and ext4 modules Debian's kernel builds as modules.
 
 Its ``/init`` loads the modules, finds the root and tools disks by their ext4 labels (never by
-probe order), mounts them and switch_roots into the guest's Python init. Modules and their
+probe order), mounts them and switch_roots into the guest's Python init, which runs on the tools drive's own
+runtime (loader, libraries, interpreter), never on anything of the root disk's image. Modules and their
 dependencies (soft dependencies too, e.g. ext4 needs crc32c) come from ``modprobe
 --show-depends`` against modules.dep of the kernel's own release, stored decompressed so the
 busybox ``insmod`` needs no decompressor.
@@ -17,6 +18,7 @@ import stat
 import subprocess
 from pathlib import Path
 
+from aenv.agent.init import PYTHON_HOME, shipped
 from aenv.guest.cache import cached_build, file_digest, inputs_key
 from aenv.guest.kernel import Kernel
 from aenv.guest.rootfs import ROOT_LABEL
@@ -36,7 +38,7 @@ MODULES = (
 BUSYBOX = Path("/bin/busybox")
 PRODUCT = "initramfs.cpio"
 # -S: init needs no site-packages, and skipping site saves boot time under TCG.
-GUEST_INIT = ("/usr/bin/python3", "-S", "-u", f"{TOOLS_MOUNT}/init.py")
+GUEST_INIT = (*shipped("python3", "-S", "-u"), f"{TOOLS_MOUNT}/init.py")
 
 INIT_SCRIPT = f"""#!/bin/busybox sh
 # aenv initramfs: load drivers, mount root + tools by label, hand over to the Python init.
@@ -71,10 +73,11 @@ log "root $root, tools $tools"
 mount -t ext4 -o rw,noatime "$root" /newroot || fail "cannot mount root $root"
 mkdir -p /newroot{TOOLS_MOUNT} || fail "cannot create {TOOLS_MOUNT} on root"
 mount -t ext4 -o ro,noatime "$tools" /newroot{TOOLS_MOUNT} || fail "cannot mount tools $tools"
-[ -x /newroot{GUEST_INIT[0]} ] || fail "root has no {GUEST_INIT[0]}"
+[ -x /newroot{GUEST_INIT[0]} ] || fail "tools disk has no {GUEST_INIT[0]}"
 [ -f /newroot{GUEST_INIT[-1]} ] || fail "tools disk has no {GUEST_INIT[-1]}"
 mount --move /dev /newroot/dev || umount /dev
 umount /proc /sys
+export PYTHONHOME={PYTHON_HOME}
 exec switch_root /newroot {" ".join(GUEST_INIT)}
 """
 

@@ -1,8 +1,8 @@
 """Root filesystem of the ``base`` template: Debian bookworm as a read-only qcow2 lower layer.
 
-mmdebstrap builds the tree without loop mounts, ``mkfs.ext4 -d`` turns it into a filesystem
-labelled ``aenv-root`` (the label the initramfs looks for) and ``qemu-img convert`` makes the
-qcow2 base every sandbox's writable upper layer points at.
+mmdebstrap builds the tree without loop mounts; ``aenv.template.disk.tree_to_qcow2`` (the recipe
+every image's base layer uses) turns it into an ext4 filesystem labelled ``aenv-root`` (the label
+the initramfs looks for) inside the qcow2 every sandbox's writable upper layer points at.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from aenv.guest.cache import cached_build, file_digest, inputs_key
@@ -19,10 +20,12 @@ log = logging.getLogger(__name__)
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 ROOT_LABEL = "aenv-root"
-IMAGE_SIZE = "4G"
+IMAGE_MIB = 4096
+BYTES_PER_INODE = 16384  # mkfs.ext4's default ratio at this size
 PRODUCT = "base.qcow2"
 
-# What an E2B-style base template offers; init and envd need nothing beyond python3 and iproute2.
+# What an E2B-style base template offers; init and envd need none of it (they bring their own
+# runtime on the tools drive, see aenv.guest.runtime).
 PACKAGES = (
     "bash",
     "coreutils",
@@ -74,52 +77,45 @@ def rootfs_key() -> str:
         packages=sorted(PACKAGES),
         dpkg=DPKG_OPTIONS,
         hooks=CUSTOMIZE_HOOKS,
-        size=IMAGE_SIZE,
+        size=IMAGE_MIB,
     )
 
 
-def _build(out: Path) -> None:
-    tree = out / "tree"
+def debian_tree(
+    suite: str,
+    tree: Path,
+    *,
+    packages: Sequence[str] = (),
+    hooks: Sequence[str] = (),
+    variant: str = "minbase",
+    dpkg: Sequence[str] = DPKG_OPTIONS,
+) -> None:
+    """A Debian ``suite`` root filesystem in the directory ``tree``, built by mmdebstrap without
+    loop mounts. ``variant="extract"`` only unpacks ``packages`` (no libc unless asked for), which
+    is how tests make images with no Python and no glibc."""
     cmd = [
         "mmdebstrap",
-        "--variant=minbase",
+        f"--variant={variant}",
         "--mode=root",
         "--format=directory",
-        f"--include={','.join(PACKAGES)}",
-        *(f"--dpkgopt={opt}" for opt in DPKG_OPTIONS),
-        *(f"--customize-hook={hook}" for hook in CUSTOMIZE_HOOKS),
-        SUITE,
+        *([f"--include={','.join(packages)}"] if packages else []),
+        *(f"--dpkgopt={opt}" for opt in dpkg),
+        *(f"--customize-hook={hook}" for hook in hooks),
+        suite,
         str(tree),
         MIRROR,
     ]
     subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
-    raw = out / "base.ext4"
-    # Inode tables and journal are zeroed now, so the guest never runs ext4lazyinit into
-    # its upper layer; qemu-img drops the zero clusters again.
-    subprocess.run(
-        [
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-L",
-            ROOT_LABEL,
-            "-m",
-            "0",
-            "-E",
-            "lazy_itable_init=0,lazy_journal_init=0",
-            "-d",
-            str(tree),
-            str(raw),
-            IMAGE_SIZE,
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+
+
+def _build(out: Path) -> None:
+    # Imported here: aenv.template.disk imports this module's ROOT_LABEL at its top.
+    from aenv.template.disk import tree_to_qcow2
+
+    tree = out / "tree"
+    debian_tree(SUITE, tree, packages=PACKAGES, hooks=CUSTOMIZE_HOOKS)
+    tree_to_qcow2(tree, out / PRODUCT, size_mib=IMAGE_MIB, inodes=IMAGE_MIB * (1 << 20) // BYTES_PER_INODE)
     shutil.rmtree(tree)
-    subprocess.run(
-        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(out / PRODUCT)], check=True
-    )
-    raw.unlink()
 
 
 def ensure_rootfs() -> tuple[Path, str]:

@@ -1,25 +1,30 @@
-"""Tools drive: the guest's init and envd with their vendored dependencies, on a small ext4 disk.
+"""Tools drive: the guest's init and envd, their vendored dependencies and the Python runtime they
+run on (``aenv.guest.runtime``), on a small ext4 disk.
 
 Kept apart from the Debian root filesystem so that changing envd or init rebuilds only this
 image (seconds), never the rootfs (minutes), and so that every template, including ones built
-from other images, gets the same init and envd. The guest mounts it read-only at /opt/aenv.
+from other images (whatever libc or Python they have, if any), gets the same init and envd.
+The guest mounts it read-only at /opt/aenv.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import aenv.agent
+from aenv.agent.init import TOOLS
 from aenv.guest.cache import cached_build, file_digest, inputs_key, tree_digest
+from aenv.guest.runtime import compile_tree, ensure_runtime, python_version
 
 log = logging.getLogger(__name__)
 
 TOOLS_LABEL = "aenv-tools"
-TOOLS_MOUNT = "/opt/aenv"
+TOOLS_MOUNT = TOOLS
 ENVD_PACKAGE = "aenv_envd"
 PRODUCT = "tools.img"
 
@@ -28,8 +33,7 @@ INIT_SOURCE = AGENT_DIR / "init.py"
 ENVD_SOURCE = AGENT_DIR / "envd"
 
 # The one place guest-side Python dependencies are pinned (the host venv's versions, so envd
-# runs in the guest with what its tests run on the host). Guest: Debian bookworm, CPython 3.11.
-GUEST_PYTHON = "3.11"
+# runs in the guest with what its tests run on the host), as wheels for the shipped runtime.
 VENDORED = (
     "aiohttp==3.14.5",
     "aiohappyeyeballs==2.7.1",
@@ -44,14 +48,15 @@ VENDORED = (
 )
 
 
-def tools_key() -> str:
-    """Hash of init, envd sources, pins and this builder: all that decides the drive's content."""
+def tools_key(runtime: str) -> str:
+    """Hash of init, envd sources, pins, the runtime's key and this builder: all that decides the
+    drive's content."""
     return inputs_key(
         builder=file_digest(Path(__file__)),
         init=file_digest(INIT_SOURCE),
         envd=tree_digest(ENVD_SOURCE),
         vendored=VENDORED,
-        python=GUEST_PYTHON,
+        runtime=runtime,
     )
 
 
@@ -70,7 +75,7 @@ def _vendor(lib: Path) -> None:
             str(lib),
             "--only-binary=:all:",
             "--python-version",
-            GUEST_PYTHON,
+            python_version(),
             "--platform",
             "manylinux2014_x86_64",
             "--implementation",
@@ -83,41 +88,19 @@ def _vendor(lib: Path) -> None:
     shutil.rmtree(lib / "bin", ignore_errors=True)
 
 
-def _precompile(root: Path) -> None:
-    """Byte-compile once here: the drive is read-only, so the guest could never cache .pyc files.
-
-    Only possible when the host interpreter has the guest's bytecode version.
-    """
-    if f"{sys.version_info.major}.{sys.version_info.minor}" != GUEST_PYTHON:
-        log.warning("host Python is not %s: tools drive ships without .pyc (slower envd start)", GUEST_PYTHON)
-        return
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "compileall",
-            "-q",
-            "-j",
-            "0",
-            "--invalidation-mode",
-            "unchecked-hash",
-            str(root),
-        ],
-        check=True,
-    )
-
-
-def _build(out: Path) -> None:
+def _build(runtime: Path, out: Path) -> None:
     tree = out / "tree"
+    # Hard links: the runtime's cache entry and this tree are on the same filesystem.
+    shutil.copytree(runtime, tree, copy_function=os.link)
     lib = tree / "lib"
-    lib.mkdir(parents=True)
+    lib.mkdir()
     shutil.copy2(INIT_SOURCE, tree / "init.py")
     if ENVD_SOURCE.is_dir():
         shutil.copytree(ENVD_SOURCE, lib / ENVD_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     else:
         log.warning("no envd sources at %s: tools drive has no envd", ENVD_SOURCE)
     _vendor(lib)
-    _precompile(tree)
+    compile_tree(lib)
     size_mib = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file()) * 2 // (1 << 20) + 16
     subprocess.run(
         [
@@ -145,5 +128,6 @@ def _build(out: Path) -> None:
 
 def ensure_tools() -> tuple[Path, str]:
     """Path of the cached tools drive (built if missing) and its digest."""
-    key = tools_key()
-    return cached_build("tools", key, _build, PRODUCT) / PRODUCT, key
+    runtime, runtime_key = ensure_runtime()
+    key = tools_key(runtime_key)
+    return cached_build("tools", key, lambda out: _build(runtime, out), PRODUCT) / PRODUCT, key

@@ -57,6 +57,10 @@ RETAIN_ENDED = 64
 CHILD_OOM_SCORE_ADJ = 100
 MAX_WINSIZE = 0xFFFF
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The SDKs start every command and terminal as `/bin/bash -l -c ...` / `-i -l`. An image without
+# bash (busybox, alpine-like, distroless) runs them with its POSIX shell, which takes those flags.
+BASH = "/bin/bash"
+POSIX_SHELL = "/bin/sh"
 # proto `Signal` values envd acts on, by enum name and number.
 SIGNALS = {
     "SIGNAL_SIGKILL": signal.SIGKILL,
@@ -92,6 +96,18 @@ def _winsize(size: Message | None) -> tuple[int, int]:
 
 def _set_winsize(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _program(cmd: str) -> str:
+    """The program to exec for `cmd`: the image's /bin/sh where the SDK asks for a missing bash."""
+    if cmd != BASH or os.path.exists(BASH):
+        return cmd
+    if os.path.exists(POSIX_SHELL):
+        return POSIX_SHELL
+    raise ConnectError(
+        "failed_precondition",
+        f"this sandbox's image has no shell ({BASH} or {POSIX_SHELL}) to run the command in",
+    )
 
 
 def _child_setup(user: User | None, ctty: bool) -> Callable[[], None]:
@@ -360,6 +376,7 @@ class ProcessService:
         cmd = c_string(text(config, "cmd"), "process.cmd")
         if not cmd:
             raise invalid("process.cmd is required")
+        program = _program(cmd)
         args = strings(config, "args", "process.args")
         envs = string_map(field(config, "envs"), "process.envs")
         cwd = self._cwd(optional_text(config, "cwd"), user)
@@ -394,7 +411,7 @@ class ProcessService:
                     to_close.append(in_r)
                     stdio["stdin"] = in_r
             popen = subprocess.Popen(
-                [cmd, *args],
+                [program, *args],
                 env=env,
                 cwd=cwd,
                 start_new_session=True,

@@ -48,10 +48,14 @@ class User:
 
 
 def lookup_user(name: str) -> User:
-    """Resolve a user name; unknown names are an authentication failure, as in the reference envd."""
+    """Resolve a user name; unknown names are an authentication failure, as in the reference envd.
+
+    root always exists, even in an image without /etc/passwd (a bare busybox tree)."""
     try:
         pw = pwd.getpwnam(name)
     except (KeyError, ValueError):  # ValueError: a NUL byte or an unencodable name, never a user
+        if name == "root":
+            return User("root", 0, 0, "/root" if os.path.isdir("/root") else "/", "/bin/sh")
         raise ConnectError("unauthenticated", f"invalid username: '{name[:256]}'") from None
     return User(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir or "/", pw.pw_shell or "/bin/sh")
 
