@@ -19,7 +19,7 @@ from ..network.pool import NetworkPool
 from ..storage.layers import LayerStore
 from ..storage.protocols import Repository, RuntimeResolver
 from ..vmm.accel import Accelerator
-from ..vmm.machine import MACHINE_TYPE, SERIAL_LOG
+from ..vmm.machine import MACHINE_TYPE, QEMU_BINARY, SERIAL_LOG
 from .manifest import MachineShape, SnapshotManifest
 from .model import STATE_FILE, EngineError, SandboxState
 
@@ -41,9 +41,10 @@ class Host:
     # -- machine identity ------------------------------------------------------------------
 
     async def qemu_version(self) -> str:
+        """The version of the QEMU binary the VMs run (what manifests record and restores check)."""
         if self._qemu_version is None:
             process = await asyncio.create_subprocess_exec(
-                "qemu-system-x86_64", "--version", stdout=asyncio.subprocess.PIPE
+                QEMU_BINARY, "--version", stdout=asyncio.subprocess.PIPE
             )
             out, _ = await process.communicate()
             self._qemu_version = out.decode().splitlines()[0].removeprefix("QEMU emulator version ").strip()
