@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,9 @@ def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxe
     run_in(abuser, "rm -f ~/fill* ~/more && echo freed", timeout=120)
 
     # All guest RAM: the guest's OOM killer ends the hog; QEMU stays inside its cgroup's limit.
-    with pytest.raises(CommandExitException):
-        abuser.commands.run("head -c 4G /dev/zero | tail > /dev/null", timeout=600)
+    hog = "x = []\nwhile True: x.append(bytearray(b'x' * (8 << 20)))"
+    with pytest.raises(CommandExitException):  # ended by the guest's OOM killer (or, thrashing, at 120 s)
+        abuser.commands.run(f"timeout -s KILL 120 python3 -c {shlex.quote(hog)}", timeout=600)
     node_and_neighbour_answer(node, neighbour)
     group = memory_group(pid)
     assert "oom_kill 0" in (group / "memory.oom_control").read_text()  # the host never OOM-killed QEMU
