@@ -118,7 +118,8 @@ def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxe
     print(f"\nQEMU {pid}: {int(anonymous) >> 20} MiB anonymous memory for a {info.memory_mb} MiB guest")
 
     # A thousand files through the files API.
-    abuser.files.write_files([{"path": f"/home/user/many/{i}.txt", "data": f"file {i}"} for i in range(1000)])
+    many = [{"path": f"/home/user/many/{i}.txt", "data": f"file {i}"} for i in range(1000)]
+    abuser.files.write_files(many, request_timeout=600)
     assert run_in(abuser, "ls /home/user/many | wc -l", timeout=120) == "1000\n"
     node_and_neighbour_answer(node, neighbour)
 
