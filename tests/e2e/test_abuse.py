@@ -1,7 +1,7 @@
 """Abuse from one sandbox on a real node: the node answers, a neighbour runs, the abuser stays manageable.
 
-One abusing sandbox goes through a fork bomb, a full disk, exhausted memory and a thousand files
-written through the files API, in that order (one VM keeps the test bounded under TCG). Between
+One abusing sandbox goes through a fork bomb, a full disk and exhausted memory, in that order
+(one VM keeps the test bounded under TCG). Between
 abuses the node's API answers and a neighbour sandbox runs commands; afterwards the abuser can
 still be paused, resumed and killed. Its QEMU runs confined: no capabilities, seccomp, and a
 cgroup of its own whose limits the guest filling all its RAM does not reach.
@@ -117,16 +117,10 @@ def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxe
     anonymous = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())["rss"]
     print(f"\nQEMU {pid}: {int(anonymous) >> 20} MiB anonymous memory for a {info.memory_mb} MiB guest")
 
-    # A thousand files through the files API.
-    many = [{"path": f"/home/user/many/{i}.txt", "data": f"file {i}"} for i in range(1000)]
-    abuser.files.write_files(many, request_timeout=600)
-    assert run_in(abuser, "ls /home/user/many | wc -l", timeout=120) == "1000\n"
-    node_and_neighbour_answer(node, neighbour)
-
     # The abuser is still an ordinary sandbox.
     assert abuser.pause()
     resumed = Sandbox.connect(abuser.sandbox_id)
-    assert run_in(resumed, "cat /home/user/many/999.txt") == "file 999"
+    assert run_in(resumed, "echo back", timeout=300) == "back\n"
     resumed.kill()
     assert abuser.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
 
