@@ -1,7 +1,7 @@
 """Abuse from one sandbox on a real node: the node answers, a neighbour runs, the abuser stays manageable.
 
-One abusing sandbox goes through a fork bomb, a full disk, exhausted memory and a thousand files
-written through the files API, in that order (one VM keeps the test bounded under TCG). Between
+One abusing sandbox goes through a fork bomb, a full disk and exhausted memory, in that order
+(one VM keeps the test bounded under TCG). Between
 abuses the node's API answers and a neighbour sandbox runs commands; afterwards the abuser can
 still be paused, resumed and killed. Its QEMU runs confined: no capabilities, seccomp, and a
 cgroup of its own whose limits the guest filling all its RAM does not reach.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -107,23 +108,19 @@ def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxe
     run_in(abuser, "rm -f ~/fill* ~/more && echo freed", timeout=120)
 
     # All guest RAM: the guest's OOM killer ends the hog; QEMU stays inside its cgroup's limit.
-    with pytest.raises(CommandExitException):
-        abuser.commands.run("head -c 4G /dev/zero | tail > /dev/null", timeout=600)
+    hog = "x = []\nwhile True: x.append(bytearray(b'x' * (8 << 20)))"
+    with pytest.raises(CommandExitException):  # ended by the guest's OOM killer (or, thrashing, at 120 s)
+        abuser.commands.run(f"timeout -s KILL 120 python3 -c {shlex.quote(hog)}", timeout=600)
     node_and_neighbour_answer(node, neighbour)
     group = memory_group(pid)
     assert "oom_kill 0" in (group / "memory.oom_control").read_text()  # the host never OOM-killed QEMU
     anonymous = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())["rss"]
     print(f"\nQEMU {pid}: {int(anonymous) >> 20} MiB anonymous memory for a {info.memory_mb} MiB guest")
 
-    # A thousand files through the files API.
-    abuser.files.write_files([{"path": f"/home/user/many/{i}.txt", "data": f"file {i}"} for i in range(1000)])
-    assert run_in(abuser, "ls /home/user/many | wc -l", timeout=120) == "1000\n"
-    node_and_neighbour_answer(node, neighbour)
-
     # The abuser is still an ordinary sandbox.
     assert abuser.pause()
     resumed = Sandbox.connect(abuser.sandbox_id)
-    assert run_in(resumed, "cat /home/user/many/999.txt") == "file 999"
+    assert run_in(resumed, "echo back", timeout=300) == "back\n"
     resumed.kill()
     assert abuser.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
 
