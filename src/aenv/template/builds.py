@@ -213,10 +213,14 @@ class TemplateBuilds:
             self._publish(record, build, build.tags)
             build.status = "ready"
             build.logs.append(_entry("info", f"template {record.template_id} is ready", "finalize"))
+            log.info("template %s build %s ready (%s)", record.template_id, build.build_id, manifest.id)
         except asyncio.CancelledError:
             self._fail(build, "base", "the build was cancelled (the node is stopping)")
             raise
         except StageFailed as exc:
+            log.info(
+                "template %s build %s failed at %s: %s", record.template_id, build.build_id, exc.stage, exc
+            )
             self._fail(build, exc.stage, str(exc))
         except (ImageError, RepositoryError, OSError) as exc:
             self._fail(build, "base", str(exc))
