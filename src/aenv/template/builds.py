@@ -136,7 +136,11 @@ class TemplateBuilds:
         os.replace(temp, path)
 
     def template(self, reference: str) -> TemplateRecord:
-        name, _ = split_name(reference)
+        """A built template's records; a name no template can have is not found either."""
+        try:
+            name, _ = split_name(reference)
+        except StepError:
+            name = ""
         if name not in self.templates:
             raise BuildNotFound(f"template '{reference}' not found")
         return self.templates[name]
