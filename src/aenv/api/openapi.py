@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from .. import __version__
-from . import schemas
+from . import schemas, templates
 
 Route = tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
 
@@ -32,6 +32,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "fork": schemas.ForkRequest,
     "update_network": schemas.NetworkUpdate,
 }
+BODIES.update(templates.BODIES)
 SUCCESS = {
     "create_v1": "201",
     "create_v2": "201",
@@ -47,6 +48,7 @@ SUCCESS = {
     "update_network": "204",
     "delete_template": "204",
 }
+SUCCESS.update(templates.SUCCESS)
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["code", "message"],
@@ -74,7 +76,8 @@ def _operation(method: str, path: str, handler: Callable[..., Any], shared: bool
     if name in BODIES:
         model = BODIES[name]
         operation["requestBody"] = {
-            "required": name in ("create_v1", "create_v2", "set_timeout", "update_network"),
+            "required": name
+            in ("create_v1", "create_v2", "set_timeout", "update_network", *templates.BODIES),
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }
     return operation
@@ -99,7 +102,12 @@ def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
     for method, path, handler in routes:
         operation = _operation(method, path, handler, uses[method, handler.__name__] > 1)
         parameters = [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+            {
+                "name": p,
+                "in": "path",
+                "required": True,
+                "schema": templates.PATH_SCHEMAS.get(p, {"type": "string"}),
+            }
             for p in re.findall(r"{(\w+)}", path)
         ]
         if parameters:

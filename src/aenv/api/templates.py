@@ -19,12 +19,22 @@ from pydantic import BaseModel
 
 from ..orchestrator.errors import InvalidRequest
 from ..orchestrator.interface import NodeService
-from ..template.steps import BuildRequest, BuildStart, TagsRequest, UntagRequest
+from ..template.steps import FILES_HASH, BuildRequest, BuildStart, TagsRequest, UntagRequest
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
 Parser = Callable[[web.Request, type[B]], Awaitable[B]]
 UPLOAD_CHUNK = 1 << 20
+# For the OpenAPI document (aenv.api.openapi): request bodies, success statuses, path parameters.
+BODIES: dict[str, type[BaseModel]] = {
+    "request_build": BuildRequest,
+    "start_build": BuildStart,
+    "assign_tags": TagsRequest,
+    "remove_tags": UntagRequest,
+}
+SUCCESS = {"request_build": "202", "file_upload_link": "201", "start_build": "202", "assign_tags": "201"}
+SUCCESS |= {"remove_tags": "204"}
+PATH_SCHEMAS = {"hash": {"type": "string", "pattern": FILES_HASH.pattern}}
 
 
 def routes(node: NodeService, parse: Parser) -> list[tuple[str, str, Handler]]:
@@ -95,10 +105,10 @@ class TemplateBuildAPI:
 
     async def start_build(self, request: web.Request) -> web.Response:
         """Start a registered build with its steps; poll its status for progress."""
+        template_id, build_id = request.match_info["templateID"], request.match_info["buildID"]
+        await self.node.template_build_status(template_id, build_id, 0, 0)  # unknown: 404 before the body
         body = await self.parse(request, BuildStart)
-        await self.node.start_template_build(
-            request.match_info["templateID"], request.match_info["buildID"], body
-        )
+        await self.node.start_template_build(template_id, build_id, body)
         return web.Response(status=202)
 
     async def build_status(self, request: web.Request) -> web.Response:

@@ -136,7 +136,11 @@ class TemplateBuilds:
         os.replace(temp, path)
 
     def template(self, reference: str) -> TemplateRecord:
-        name, _ = split_name(reference)
+        """A built template's records; a name no template can have is not found either."""
+        try:
+            name, _ = split_name(reference)
+        except StepError:
+            name = ""
         if name not in self.templates:
             raise BuildNotFound(f"template '{reference}' not found")
         return self.templates[name]
@@ -213,10 +217,14 @@ class TemplateBuilds:
             self._publish(record, build, build.tags)
             build.status = "ready"
             build.logs.append(_entry("info", f"template {record.template_id} is ready", "finalize"))
+            log.info("template %s build %s ready (%s)", record.template_id, build.build_id, manifest.id)
         except asyncio.CancelledError:
             self._fail(build, "base", "the build was cancelled (the node is stopping)")
             raise
         except StageFailed as exc:
+            log.info(
+                "template %s build %s failed at %s: %s", record.template_id, build.build_id, exc.stage, exc
+            )
             self._fail(build, exc.stage, str(exc))
         except (ImageError, RepositoryError, OSError) as exc:
             self._fail(build, "base", str(exc))

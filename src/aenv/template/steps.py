@@ -20,21 +20,26 @@ import tarfile
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from aenv.template.image import ImageError
 
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"  # a template name is a repository alias
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# ``[namespace/]name[:tag]`` as the SDK sends template references
+REFERENCE_PATTERN = r"^(?:[A-Za-z0-9._-]+/)?[a-z0-9][a-z0-9._-]{0,62}(?::[A-Za-z0-9][A-Za-z0-9._-]{0,127})?$"
 DEFAULT_TAG = "default"
 DEFAULT_USER = "user"  # E2B's templates run as `user` in /home/user unless a USER step says otherwise
 
 
 class StepError(ImageError):
     """A step cannot run as written (bad arguments, missing or mismatching upload)."""
+
+
+Tag = Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
 
 
 class _Wire(BaseModel):
@@ -88,33 +93,25 @@ class BuildStart(_Wire):
 class BuildRequest(_Wire):
     """``TemplateBuildRequestV3``: a name (``name[:tag]``), more tags, the machine's size."""
 
-    name: str = Field(min_length=1, max_length=200)
-    tags: list[str] | None = Field(default=None, max_length=64)
+    name: str = Field(max_length=255, pattern=REFERENCE_PATTERN)
+    tags: list[Tag] | None = Field(default=None, max_length=64)
     cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=64)
     memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
     min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMb", ge=0)
-
-    @field_validator("tags")
-    @classmethod
-    def _tags(cls, tags: list[str] | None) -> list[str] | None:
-        for tag in tags or []:
-            if not re.match(TAG_PATTERN, tag):
-                raise ValueError(f"invalid tag {tag!r}")
-        return tags
 
 
 class TagsRequest(_Wire):
     """``AssignTemplateTagsRequest`` (``target`` is ``name:tag``)."""
 
-    target: str = Field(min_length=1, max_length=200)
-    tags: list[str] = Field(min_length=1, max_length=64)
+    target: str = Field(max_length=255, pattern=REFERENCE_PATTERN)
+    tags: list[Tag] = Field(min_length=1, max_length=64)
 
 
 class UntagRequest(_Wire):
     """``DeleteTemplateTagsRequest``."""
 
-    name: str = Field(min_length=1, max_length=200)
-    tags: list[str] = Field(min_length=1, max_length=64)
+    name: str = Field(max_length=255, pattern=REFERENCE_PATTERN)
+    tags: list[Tag] = Field(min_length=1, max_length=64)
 
 
 def split_name(reference: str) -> tuple[str, str | None]:
