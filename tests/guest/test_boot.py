@@ -74,7 +74,7 @@ def test_boot_to_envd_and_clean_shutdown(tmp_path: Path, guest_tools: Path) -> N
     assert code == 0, log
     assert "aenv-initramfs: root /dev/vdb, tools /dev/vda" in log
     assert "envd started" in log
-    envd_args = "['--port', '49983', '--host-peer', '169.254.0.22']"
+    envd_args = "['--host-peer', '169.254.0.22', '--state-file', '/run/aenv/envd.json']"
     assert f"FAKE-ENVD {envd_args} ['1000', 'sudo-ok', 'ro,noatime', 'boot-test']" in log
     assert "shutting down (SIGTERM)" in log
     assert log.index("shutting down") < log.index("reboot")
