@@ -395,7 +395,7 @@ def test_large_output_is_streamed_whole(sandbox):
         nonlocal received
         received += len(chunk)
 
-    r = sandbox.commands.run("yes | head -c 32M", retain_output=False, on_stdout=count, timeout=0)
+    r = sandbox.commands.run("yes | head -c $((32 << 20))", retain_output=False, on_stdout=count, timeout=0)
     assert r.exit_code == 0 and received == 32 << 20
 
 
@@ -411,7 +411,7 @@ def test_unread_output_blocks_only_its_process(sandbox):
 
 def test_output_of_a_disconnected_command_is_dropped(sandbox, workdir):
     """Without any reader envd drains and drops the output, so a background command runs to its end."""
-    h = sandbox.commands.run(f"head -c 16M /dev/zero; touch {workdir}/done", background=True, timeout=0)
+    h = sandbox.commands.run(f"head -c $((16 << 20)) /dev/zero; touch {workdir}/done", background=True, timeout=0)
     h.disconnect()
     assert _wait_until(lambda: sandbox.files.exists(f"{workdir}/done"), timeout=60)
 
