@@ -411,7 +411,8 @@ def test_unread_output_blocks_only_its_process(sandbox):
 
 def test_output_of_a_disconnected_command_is_dropped(sandbox, workdir):
     """Without any reader envd drains and drops the output, so a background command runs to its end."""
-    h = sandbox.commands.run(f"head -c $((16 << 20)) /dev/zero; touch {workdir}/done", background=True, timeout=0)
+    command = f"head -c $((16 << 20)) /dev/zero; touch {workdir}/done"
+    h = sandbox.commands.run(command, background=True, timeout=0)
     h.disconnect()
     assert _wait_until(lambda: sandbox.files.exists(f"{workdir}/done"), timeout=60)
 
