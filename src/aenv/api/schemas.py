@@ -168,8 +168,26 @@ class NetworkConfig(Body):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+# E2B's rule for a filesystem-only auto-pause (`autoPauseMemory: false`): it needs `autoPause` and
+# excludes `autoResume`. Declared in the schema so that clients (and the fuzzer) can know it.
+FILESYSTEM_PAUSE_RULE = {
+    "if": {"properties": {"autoPauseMemory": {"const": False}}, "required": ["autoPauseMemory"]},
+    "then": {
+        "properties": {
+            "autoPause": {"const": True},
+            "autoResume": {
+                "anyOf": [{"type": "null"}, {"properties": {"enabled": {"const": False}}}],
+            },
+        },
+        "required": ["autoPause"],
+    },
+}
+
+
 class NewSandbox(Body):
     """`POST /v2/sandboxes`: every v2 sandbox is secured, so it has no `secure` field."""
+
+    model_config = ConfigDict(json_schema_extra=FILESYSTEM_PAUSE_RULE)
 
     template_id: StrictStr = Field(alias="templateID", min_length=1, max_length=256)
     timeout: Timeout | None = None
