@@ -95,6 +95,20 @@ def _fill_limits(node: Any, limits: dict[str, int]) -> None:
             _fill_limits(value, limits)
 
 
+# Query parameters an operation cannot do without (by handler name).
+QUERY_PARAMETERS: dict[str, list[dict[str, Any]]] = {
+    "sandboxes_metrics": [
+        {
+            "name": "sandbox_ids",
+            "in": "query",
+            "required": True,
+            "description": "1 to 100 sandbox IDs, comma-separated",
+            "schema": {"type": "string", "pattern": "^[a-z0-9]{1,64}(,[a-z0-9]{1,64}){0,99}$"},
+        }
+    ],
+}
+
+
 def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
     """The document for these routes, with the bounds of this node's `limits` (schemas.limits)."""
     paths: dict[str, dict[str, Any]] = {}
@@ -110,6 +124,7 @@ def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
             }
             for p in re.findall(r"{(\w+)}", path)
         ]
+        parameters += QUERY_PARAMETERS.get(handler.__name__, [])
         if parameters:
             operation["parameters"] = parameters
         if path not in ("/health", "/metrics", "/openapi.json"):

@@ -15,6 +15,7 @@ import binascii
 import hmac
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any, Literal, TypeVar, cast
@@ -52,6 +53,7 @@ MAX_METRICS_SANDBOXES = 100  # as E2B's API
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 # The node's limits that request bodies are validated against (schemas.limits).
 LIMITS_KEY = web.AppKey("limits", dict)
+SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")  # E2B's sandbox IDs (also in the OpenAPI document)
 # The one place where kinds of failure become HTTP statuses.
 STATUS: dict[type[SandboxError], int] = {
     InvalidRequest: 400,
@@ -461,6 +463,8 @@ class NodeAPI:
         ids = [i for value in request.query.getall("sandbox_ids", []) for i in value.split(",") if i]
         if not 1 <= len(ids) <= MAX_METRICS_SANDBOXES:
             raise InvalidRequest(f"sandbox_ids must name 1 to {MAX_METRICS_SANDBOXES} sandboxes")
+        if not all(SANDBOX_ID.fullmatch(i) for i in ids):
+            raise InvalidRequest("sandbox_ids must be sandbox IDs: lowercase letters and digits")
         return web.json_response({"sandboxes": await self.node.latest_metrics(ids)})
 
     async def sandbox_logs(self, request: web.Request) -> web.Response:
