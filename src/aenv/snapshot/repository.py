@@ -48,7 +48,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +204,32 @@ def check_fetched(path: Path, digest: str) -> None:
     if actual != digest:
         path.unlink(missing_ok=True)
         raise DigestMismatch(f"blob {digest} is corrupt: its contents hash to {actual}")
+
+
+def catalog(
+    snapshot_ids: Iterable[str],
+    load: Callable[[str], SnapshotManifest],
+    aliases: dict[str, list[str]],
+    kind: str | None,
+) -> list[SnapshotManifest]:
+    """What `list` shows of these live snapshots, whichever backend holds them: newest first (ties by
+    id), each with the alias bound to it; one deleted meanwhile or unreadable is skipped (logged)."""
+    found = []
+    for snapshot_id in snapshot_ids:
+        try:
+            manifest = load(snapshot_id)
+        except SnapshotNotFound:
+            continue  # deleted while listing
+        except CorruptManifest as exc:
+            log.warning("skipping snapshot %s: %s", snapshot_id, exc)
+            continue
+        if kind is None or manifest.kind == kind:
+            bound = aliases.get(snapshot_id, [])
+            alias = manifest.alias if manifest.alias in bound else (bound[0] if bound else None)
+            found.append(dataclasses.replace(manifest, alias=alias))
+    found.sort(key=lambda m: m.id)
+    found.sort(key=lambda m: parse_timestamp(m.created_at), reverse=True)
+    return found
 
 
 def check_alias(alias: str) -> str:
@@ -479,26 +505,9 @@ class SnapshotRepository:
 
     def list(self, kind: str | None = None) -> list[SnapshotManifest]:
         """Live snapshots, newest first (ties by id); unreadable manifests are logged and skipped."""
-        aliases = self._aliases_by_id()
-        found = []
-        for path in self._manifests.glob("[!.]*.json"):
-            snapshot_id = path.name.removesuffix(".json")
-            if (self._deleted / snapshot_id).exists():
-                continue
-            try:
-                manifest = self._load(snapshot_id)
-            except SnapshotNotFound:
-                continue  # deleted while listing
-            except CorruptManifest as exc:
-                log.warning("skipping snapshot %s: %s", snapshot_id, exc)
-                continue
-            if kind is None or manifest.kind == kind:
-                bound = aliases.get(snapshot_id, [])
-                alias = manifest.alias if manifest.alias in bound else (bound[0] if bound else None)
-                found.append(dataclasses.replace(manifest, alias=alias))
-        found.sort(key=lambda m: m.id)
-        found.sort(key=lambda m: parse_timestamp(m.created_at), reverse=True)
-        return found
+        ids = (path.name.removesuffix(".json") for path in self._manifests.glob("[!.]*.json"))
+        live = [i for i in ids if not (self._deleted / i).exists()]
+        return catalog(live, self._load, self._aliases_by_id(), kind)
 
     def set_alias(self, alias: str, id_or_alias: str) -> None:
         """Bind ``alias`` to a live snapshot; ``AliasConflict`` if it is bound to another one."""

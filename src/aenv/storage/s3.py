@@ -55,7 +55,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from ..snapshot.manifest import SNAPSHOT_ID_RE, ManifestError, SnapshotManifest, parse_timestamp
+from ..snapshot.manifest import SNAPSHOT_ID_RE, ManifestError, SnapshotManifest
 from ..snapshot.repository import (
     ALIAS_RE,
     CHUNK,
@@ -72,6 +72,7 @@ from ..snapshot.repository import (
     SnapshotExists,
     SnapshotInUse,
     SnapshotNotFound,
+    catalog,
     check_alias,
     check_digest,
     check_fetched,
@@ -401,27 +402,10 @@ class S3Repository:
 
     def list(self, kind: str | None = None) -> list[SnapshotManifest]:
         """Live snapshots, newest first (ties by id); unreadable manifests are logged and skipped."""
-        aliases = self._aliases_by_id()
         deleted = {o["Name"] for o in self._list("deleted", "")[0]}
-        found = []
-        for entry in self._list("manifests", "")[0]:
-            snapshot_id = entry["Name"].removesuffix(".json")
-            if snapshot_id in deleted or not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
-                continue
-            try:
-                manifest = self._load(snapshot_id)
-            except SnapshotNotFound:
-                continue
-            except CorruptManifest as exc:
-                log.warning("skipping snapshot %s: %s", snapshot_id, exc)
-                continue
-            if kind is None or manifest.kind == kind:
-                bound = aliases.get(snapshot_id, [])
-                alias = manifest.alias if manifest.alias in bound else (bound[0] if bound else None)
-                found.append(dataclasses.replace(manifest, alias=alias))
-        found.sort(key=lambda m: m.id)
-        found.sort(key=lambda m: parse_timestamp(m.created_at), reverse=True)
-        return found
+        ids = (entry["Name"].removesuffix(".json") for entry in self._list("manifests", "")[0])
+        live = [i for i in ids if i not in deleted and SNAPSHOT_ID_RE.fullmatch(i)]
+        return catalog(live, self._load, self._aliases_by_id(), kind)
 
     def set_alias(self, alias: str, id_or_alias: str) -> None:
         """Bind ``alias`` to a live snapshot; ``AliasConflict`` if it is bound to another one."""
