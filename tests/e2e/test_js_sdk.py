@@ -91,17 +91,22 @@ def installed_sdk(tmp_root: Path) -> Path:
     return target
 
 
-def test_js_sdk_smoke(node: NodeServer, tmp_path: Path) -> None:
-    sdk = installed_sdk(tmp_path)
-    pinned = json.loads((JS_DIR / "package.json").read_text())["dependencies"]["e2b"]
-    assert json.loads((sdk / "node_modules" / "e2b" / "package.json").read_text())["version"] == pinned
-    script = sdk / "smoke.mjs"
-    script.write_text(SCRIPT)
+def run_script(node: NodeServer, sdk: Path, name: str, source: str) -> dict:
+    """Run a script with the installed npm SDK against the node; the JSON its last line prints."""
+    script = sdk / name
+    script.write_text(source)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(AENV_E2E_URL=node.url, AENV_E2E_KEY=node.key)
     result = subprocess.run(
         ["node", str(script)], cwd=sdk, env=env, capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_js_sdk_smoke(node: NodeServer, tmp_path: Path) -> None:
+    sdk = installed_sdk(tmp_path)
+    pinned = json.loads((JS_DIR / "package.json").read_text())["dependencies"]["e2b"]
+    assert json.loads((sdk / "node_modules" / "e2b" / "package.json").read_text())["version"] == pinned
+    outcome = run_script(node, sdk, "smoke.mjs", SCRIPT)
     assert outcome["ok"] and "gone" in outcome["steps"], outcome

@@ -3,9 +3,6 @@ and start-time bounds; network rule changes that reach the running sandbox at on
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -16,7 +13,7 @@ from e2b import Sandbox, SandboxNotRunningException, SandboxQuery
 from tests.network.conftest import INET_ADDRESS, Listener, fake_internet  # noqa: F401 (a fixture)
 
 from .conftest import NodeServer, Sandboxes, wait_until
-from .test_js_sdk import installed_sdk
+from .test_js_sdk import installed_sdk, run_script
 
 pytestmark = pytest.mark.vm
 
@@ -183,16 +180,7 @@ console.log(JSON.stringify(outcome))
 
 def test_kill_during_a_streaming_command_js(node: NodeServer, tmp_path: Path) -> None:
     """The npm SDK reports a killed sandbox as a TimeoutError that says so (its `SandboxNotRunning`)."""
-    sdk = installed_sdk(tmp_path)
-    script = sdk / "killed_during_run.mjs"
-    script.write_text(KILLED_DURING_RUN_JS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-    env.update(AENV_E2E_URL=node.url, AENV_E2E_KEY=node.key)
-    result = subprocess.run(
-        ["node", str(script)], cwd=sdk, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    outcome = run_script(node, installed_sdk(tmp_path), "killed_during_run.mjs", KILLED_DURING_RUN_JS)
     assert outcome["timeout"] and "was killed" in outcome["message"], outcome
 
 
