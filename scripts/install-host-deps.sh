@@ -16,6 +16,8 @@ PACKAGES=(
 # Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
 # (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.
 PACKAGES+=(docker-registry skopeo apache2-utils openssl)
+# Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.
+PACKAGES+=(redis-server)
 # The test suite drives the official e2b npm SDK too: Node.js and npm, unless already installed.
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     PACKAGES+=(nodejs npm)

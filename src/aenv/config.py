@@ -81,6 +81,17 @@ class Settings:
     cache_capacity_mib: int = 20480  # the runtime cache of an s3 repository (files QEMU opens)
     lease_ttl: float = 600.0  # a node silent this long is dead to the others: its leases expire
     template_builds: int = 2  # user template builds running at once, each in its own VM
+    # The cluster (aenv.cluster): a node joins when scheduler_url is set and advertises node_addr
+    # (a base URL; empty: http://<api_addr>). cluster_secret is what nodes, gateways and the
+    # scheduler present to each other; a node in a cluster takes control calls only with it.
+    scheduler_url: str = ""
+    node_addr: str = ""
+    cluster_secret: str | None = None
+    scheduler_addr: str = "127.0.0.1:9090"  # where `aenv scheduler` listens
+    gateway_addr: str = "127.0.0.1:8080"  # where `aenv gateway` listens
+    redis_url: str = "redis://127.0.0.1:6379/0"  # the scheduler's shared state
+    heartbeat_interval: float = 2.0  # seconds between a node's heartbeats
+    node_down_after: float = 10.0  # a node silent this long is down
     log_level: str = "INFO"
 
     @property

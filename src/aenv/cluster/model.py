@@ -1,0 +1,63 @@
+"""Records the cluster's parts exchange: what a node is, holds and has room for, and where a
+sandbox lives. Pydantic models, so the same classes validate the scheduler's HTTP bodies and
+the JSON kept in Redis."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class NodeState(StrEnum):
+    UP = "up"  # heartbeating, takes placements
+    DRAINING = "draining"  # heartbeating, keeps its sandboxes, takes no new placements
+    DOWN = "down"  # silent longer than the scheduler's node_down_after: its running sandboxes are lost
+
+
+class NodeCapacity(BaseModel):
+    memory_mib: int = Field(ge=0)  # guest RAM the node admits in total (RAM x overcommit)
+    vcpus: int = Field(ge=0)
+    disk_free_mib: int = Field(ge=0)
+
+
+class NodeUsage(BaseModel):
+    running: int = Field(default=0, ge=0)
+    paused: int = Field(default=0, ge=0)
+    memory_mib: int = Field(default=0, ge=0)  # guest RAM of running sandboxes
+    vcpus: int = Field(default=0, ge=0)
+
+
+class NodeInfo(BaseModel):
+    node_id: str
+    address: str  # base URL of the node's API and proxy, e.g. http://10.0.0.5:8000
+    version: str
+    status: NodeState = NodeState.UP
+    capacity: NodeCapacity
+    usage: NodeUsage = Field(default_factory=NodeUsage)
+    cached: list[str] = Field(default_factory=list)  # snapshot/template ids materialized on the node
+    registered_at: float = 0.0  # Unix seconds, set by the scheduler
+    heartbeat_at: float = 0.0
+
+
+class Binding(BaseModel):
+    """Which node holds a sandbox. `durable`: its paused state is committed to the shared
+    repository, so any node can resume it when its own node is gone."""
+
+    sandbox_id: str
+    node_id: str
+    state: Literal["running", "paused"] = "running"
+    template_id: str = ""
+    durable: bool = False
+
+
+class Placement(BaseModel):
+    """A request for a node: to create (from `template`) or to resume `sandbox_id`."""
+
+    kind: Literal["create", "resume"] = "create"
+    template: str = ""  # template/snapshot id: nodes that cache it are preferred
+    sandbox_id: str | None = None  # for a resume: its current node is preferred while up
+    memory_mib: int = Field(default=512, ge=1)
+    vcpus: int = Field(default=1, ge=1)
+    exclude: list[str] = Field(default_factory=list)  # node ids not to use (a retry after a failure)

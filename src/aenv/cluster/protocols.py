@@ -1,0 +1,55 @@
+"""The scheduler as the other parts see it. Nodes use it to join and report, gateways to place
+and locate sandboxes. `aenv.cluster.scheduler` serves it over HTTP on top of Redis; its HTTP
+client implements this same protocol, so gateways and nodes can be tested against a fake.
+
+Failures are the typed errors of `aenv.orchestrator.errors`: NotFound for an unknown node or
+sandbox, Unavailable when no node has room or the scheduler cannot be reached, InvalidRequest
+for malformed input.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .model import Binding, NodeCapacity, NodeInfo, NodeUsage, Placement
+
+
+class Scheduler(Protocol):
+    async def register(self, node: NodeInfo) -> NodeInfo:
+        """Join (or rejoin after a restart) with the node's address, version and capacity."""
+        ...
+
+    async def heartbeat(
+        self, node_id: str, usage: NodeUsage, capacity: NodeCapacity, cached: list[str]
+    ) -> NodeInfo:
+        """Report liveness and load; the answer carries the status the cluster gives the node
+        (e.g. draining). NotFound if the scheduler does not know the node: register again."""
+        ...
+
+    async def nodes(self) -> list[NodeInfo]: ...
+
+    async def node(self, node_id: str) -> NodeInfo: ...
+
+    async def drain(self, node_id: str) -> NodeInfo:
+        """No new placements on the node; its sandboxes stay where they are."""
+        ...
+
+    async def place(self, request: Placement) -> NodeInfo:
+        """Choose a node and reserve the request's memory and vCPUs on it atomically (two
+        schedulers never both spend the same room). Unavailable if no node has room."""
+        ...
+
+    async def bind(self, binding: Binding) -> None:
+        """Record (or update) which node holds a sandbox and in what state."""
+        ...
+
+    async def unbind(self, sandbox_id: str, node_id: str) -> None:
+        """Forget a sandbox, only if it is still bound to `node_id` (a late call from a node the
+        sandbox has left must not remove its new binding)."""
+        ...
+
+    async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
+        """The sandbox's binding and its node. NotFound if unbound."""
+        ...
+
+    async def bindings(self, node_id: str | None = None) -> list[Binding]: ...
