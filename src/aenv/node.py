@@ -131,7 +131,10 @@ class Node:
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         self.runner = APIRunner(
-            self.api.app(key), access_log=None, handle_signals=False, auto_decompress=False
+            self.api.app(key, settings.cluster_secret),
+            access_log=None,
+            handle_signals=False,
+            auto_decompress=False,
         )
         await self.runner.setup()
         await web.TCPSite(self.runner, settings.host, settings.port, reuse_address=True).start()

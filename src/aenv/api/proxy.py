@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -30,6 +31,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..agent.envd import ENVD_PORT
+from ..cluster.auth import CLUSTER_SECRET_HEADER
 from ..network.forward import open_guest_connection
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 
@@ -60,9 +62,10 @@ _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
     "proxy-authenticate", "proxy-authorization",
 })  # fmt: skip
-# Request headers the proxy consumes or sets itself.
+# Request headers the proxy consumes or sets itself (the cluster secret never reaches a guest).
 _NOT_FORWARDED = _HOP_BY_HOP | {
     "content-length", "expect", "x-forwarded-for", TRAFFIC_TOKEN_HEADER, *_ID_HEADERS, *_PORT_HEADERS,
+    CLUSTER_SECRET_HEADER.lower(),
 }  # fmt: skip
 
 # envd routes only the node may call (`x-internal` in envd.yaml), refused whatever the method: /init
@@ -149,7 +152,7 @@ def _json_response(status: int, body: dict[str, Any]) -> web.Response:
     )  # fmt: skip
 
 
-def _sandbox_error(status: int, sandbox_id: str, message: str, **extra: Any) -> web.Response:
+def sandbox_error(status: int, sandbox_id: str, message: str, **extra: Any) -> web.Response:
     return _json_response(status, {"sandboxId": sandbox_id, "message": message, **extra, "code": status})
 
 
@@ -211,17 +214,25 @@ class _Connection:
         self.writer.transport.abort()
 
 
-@dataclass(eq=False)
-class _GuestPool:
-    """Keep-alive connections to one sandbox VM, per guest port; closing it cuts in-flight ones too."""
+Opener = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
-    network: SandboxNetwork
+
+@dataclass(eq=False)
+class UpstreamPool:
+    """Keep-alive connections to one upstream, per guest port; closing it cuts in-flight ones too.
+
+    `upstream` identifies where `open(port)` connects: a sandbox VM's live network namespace on a
+    node, or the node that holds the sandbox on a gateway.
+    """
+
+    upstream: object
+    open: Opener
     idle: dict[int, list[_Connection]] = field(default_factory=dict)
     busy: set[_Connection] = field(default_factory=set)
     closed: bool = False
 
     async def connect(self, port: int) -> _Connection:
-        reader, writer = await asyncio.wait_for(open_guest_connection(self.network, port), CONNECT_TIMEOUT)
+        reader, writer = await asyncio.wait_for(self.open(port), CONNECT_TIMEOUT)
         conn = _Connection(port, reader, writer)
         if self.closed:
             conn.abort()
@@ -376,7 +387,7 @@ class SandboxProxy:
     def __init__(self, resolver: SandboxResolver, domain: str | None = None):
         self._resolver = resolver
         self.domain = domain.strip(".").lower() if domain else None
-        self._pools: dict[str, _GuestPool] = {}
+        self._pools: dict[str, UpstreamPool] = {}
 
     # classification
 
@@ -450,12 +461,13 @@ class SandboxProxy:
 
     # pools
 
-    def _pool(self, target: ProxyTarget) -> _GuestPool:
+    def _pool(self, target: ProxyTarget) -> UpstreamPool:
         pool = self._pools.get(target.sandbox_id)
-        if pool is None or pool.network is not target.network:
+        if pool is None or pool.upstream is not target.network:
             if pool is not None:
                 pool.close()
-            pool = self._pools[target.sandbox_id] = _GuestPool(target.network)
+            opener = functools.partial(open_guest_connection, target.network)
+            pool = self._pools[target.sandbox_id] = UpstreamPool(target.network, opener)
         return pool
 
     def release(self, sandbox_id: str) -> None:
@@ -492,7 +504,7 @@ class SandboxProxy:
         else:
             problem = f"Provided token in header '{TRAFFIC_TOKEN_HEADER}' is invalid"
         message = f"Sandbox is secured with traffic access token. {problem}"
-        return _sandbox_error(403, route.sandbox_id, message)
+        return sandbox_error(403, route.sandbox_id, message)
 
     async def serve(self, request: web.Request, route: ProxyRoute) -> web.StreamResponse:
         """Forward one classified request to its sandbox port and relay the answer.
@@ -505,7 +517,7 @@ class SandboxProxy:
         access = await self._resolver.proxy_access(route.sandbox_id)
         if access is None:
             self.release(route.sandbox_id)
-            return _sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
+            return sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
         if (denied := self._denied(request, route, access)) is not None:
             return denied
         if access.mask_request_host and route.port != ENVD_PORT:
@@ -513,21 +525,24 @@ class SandboxProxy:
         try:
             target = await self._resolver.proxy_target(route.sandbox_id, resume=True)
         except TimeoutError:
-            return _sandbox_error(504, route.sandbox_id, "The sandbox did not resume in time")
+            return sandbox_error(504, route.sandbox_id, "The sandbox did not resume in time")
         except Exception:
             log.exception("resolving sandbox %s for the proxy failed", route.sandbox_id)
-            return _sandbox_error(502, route.sandbox_id, "The sandbox could not be resumed")
+            return sandbox_error(502, route.sandbox_id, "The sandbox could not be resumed")
         if target is None:
             self.release(route.sandbox_id)
-            return _sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
-        pool = self._pool(target)
+            return sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND)
+        return await self.relay(request, route, self._pool(target))
+
+    async def relay(self, request: web.Request, route: ProxyRoute, pool: UpstreamPool) -> web.StreamResponse:
+        """Send the request to `pool`'s upstream and relay the answer, or tunnel after a 101."""
         try:
             if _is_upgrade(request):
                 return await self._upgrade(request, route, pool)
             return await self._forward(request, route, pool)
         except _UpstreamFailed as exc:
             log.debug("sandbox %s port %d: %s", route.sandbox_id, route.port, exc)
-            return _sandbox_error(502, route.sandbox_id, PORT_NOT_OPEN, port=route.port)
+            return sandbox_error(502, route.sandbox_id, PORT_NOT_OPEN, port=route.port)
         except _ClientGone:
             return web.Response(status=400, text="incomplete request body")
 
@@ -548,10 +563,15 @@ class SandboxProxy:
         if "X-Forwarded-Proto" not in request.headers:
             lines.append(f"X-Forwarded-Proto: {request.scheme}")
         lines += extra
+        lines += self.hop_headers(request, route)
         return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
+    def hop_headers(self, request: web.Request, route: ProxyRoute) -> list[str]:
+        """Header lines only this hop adds (none to a guest; a gateway adds its routing to the node)."""
+        return []
+
     async def _exchange(
-        self, request: web.Request, route: ProxyRoute, pool: _GuestPool
+        self, request: web.Request, route: ProxyRoute, pool: UpstreamPool
     ) -> tuple[_Connection, _ResponseHead, asyncio.Task[None] | None]:
         """Send the request (body streamed in a task if large) and read the response head.
 
@@ -616,14 +636,16 @@ class SandboxProxy:
             log.debug("request body to guest port %d ended early: %r", conn.port, exc)
             conn.abort()
 
-    async def _forward(self, request: web.Request, route: ProxyRoute, pool: _GuestPool) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, route: ProxyRoute, pool: UpstreamPool
+    ) -> web.StreamResponse:
         conn, head, sender = await self._exchange(request, route, pool)
         return await self._respond(request, pool, conn, head, sender, reusable=head.keep_alive)
 
     async def _respond(
         self,
         request: web.Request,
-        pool: _GuestPool,
+        pool: UpstreamPool,
         conn: _Connection,
         head: _ResponseHead,
         sender: asyncio.Task[None] | None,
@@ -662,7 +684,9 @@ class SandboxProxy:
                 pool.discard(conn)
         return resp
 
-    async def _upgrade(self, request: web.Request, route: ProxyRoute, pool: _GuestPool) -> web.StreamResponse:
+    async def _upgrade(
+        self, request: web.Request, route: ProxyRoute, pool: UpstreamPool
+    ) -> web.StreamResponse:
         """Pass an Upgrade (WebSocket) request on; after the guest's 101, tunnel bytes both ways."""
         try:
             conn = await pool.connect(route.port)

@@ -27,6 +27,8 @@ from pydantic import BaseModel, ValidationError
 
 from .. import __version__
 from ..agent.envd import ENVD_VERSION
+from ..cluster.auth import cluster_gate
+from ..cluster.wire import node_route
 from ..orchestrator.errors import (
     Conflict,
     Forbidden,
@@ -265,13 +267,21 @@ class NodeAPI:
 
     # -- wiring ----------------------------------------------------------------------------
 
-    def app(self, api_key: str) -> web.Application:
-        app = web.Application(
-            middlewares=[errors, self.proxy.middleware(), auth_middleware(api_key)], client_max_size=MAX_BODY
-        )
+    def app(self, api_key: str, cluster_secret: str | None = None) -> web.Application:
+        """The API and proxy; with a `cluster_secret` (a node in a cluster) every request but the
+        public ones must carry the secret instead of the API key (`aenv.cluster.auth`), and the
+        internal route gateways call the node through is mounted (`aenv.cluster.wire`): never
+        without the secret, as it takes calls without the public API's validation."""
+        if cluster_secret:
+            access = cluster_gate(cluster_secret, PUBLIC_PATHS, error_response)
+            middlewares = [errors, access, self.proxy.middleware()]
+        else:
+            middlewares = [errors, self.proxy.middleware(), auth_middleware(api_key)]
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
         app[LIMITS_KEY] = self.limits
         self.proxy.setup(app)
-        for method, path, handler in self.routes():
+        internal = [node_route(self.node)] if cluster_secret else []
+        for method, path, handler in [*self.routes(), *internal]:
             app.router.add_route(method, path, handler)
         return app
 

@@ -1,0 +1,396 @@
+"""`ClusterNode`: the `NodeService` a gateway serves, made of the cluster's nodes.
+
+The HTTP layer (`aenv.api.server.NodeAPI`) does not know it talks to a cluster. A create asks
+the scheduler for a node, creates there and records the binding; when the node cannot take it
+(full, unreachable, or without the template) the next node is asked, the failed ones excluded.
+Every sandbox-scoped call goes to the node the sandbox is bound to; a fork stays on its
+source's node and binds its children there. Lists and the template/snapshot catalog merge what
+the live nodes answer, in the order a single node gives, so the API's paging (`nextToken` is a
+start time and an id, not a position) runs across nodes and across gateways unchanged.
+
+Nothing is kept here between calls: the bindings are the scheduler's (in Redis), the records the
+nodes'. So any number of gateways can run, and losing one loses nothing.
+
+A sandbox whose node is down is reported, not guessed at: a running one as lost (404, as a node
+reports a lost VM), a paused one as unavailable until its node is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import fields
+from datetime import datetime
+from typing import Any, TypeVar
+
+import httpx
+
+from ..orchestrator.errors import NotFound, SandboxError, Unavailable
+from ..orchestrator.housekeeping import GcTotals
+from ..orchestrator.interface import (
+    BuildTicket,
+    CreateRequest,
+    FileLink,
+    ListQuery,
+    NodeStatus,
+    Route,
+)
+from ..orchestrator.store import SandboxRecord
+from ..snapshot.manifest import SnapshotManifest
+from ..template.builds import TagInfo
+from ..template.steps import BuildRequest, BuildStart, split_name
+from .model import Binding, NodeInfo, NodeState, Placement
+from .protocols import Scheduler
+from .remote import RemoteNode
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LIVE = (NodeState.UP, NodeState.DRAINING)  # nodes whose sandboxes can be reached
+CLUSTER_ID = "cluster"  # the node id `status` reports for the whole cluster
+MAX_PLACEMENTS = 8  # nodes one create tries at most before it gives up
+
+
+def _started(record: SandboxRecord) -> datetime:
+    return datetime.fromisoformat(record.started_at)
+
+
+def _rendezvous(key: str, nodes: Iterable[NodeInfo]) -> list[NodeInfo]:
+    """`nodes` in the order `key` prefers them: the same everywhere, whichever gateway asks, and
+    mostly unchanged when a node comes or goes (highest random weight hashing)."""
+    return sorted(nodes, key=lambda n: hashlib.sha256(f"{n.node_id}/{key}".encode()).digest(), reverse=True)
+
+
+class ClusterNode:
+    """`NodeService` over the scheduler's nodes; `client` reaches them (`remote.cluster_client`)."""
+
+    def __init__(self, scheduler: Scheduler, client: httpx.AsyncClient):
+        self.scheduler = scheduler
+        self.client = client
+
+    def remote(self, info: NodeInfo) -> RemoteNode:
+        return RemoteNode(info.node_id, info.address, self.client)
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        return [n for n in await self.scheduler.nodes() if n.status in LIVE]
+
+    # -- sandbox to node ----------------------------------------------------------------------
+
+    async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
+        """The sandbox's binding and its node, which is reachable; else why it cannot be had."""
+        try:
+            binding, info = await self.scheduler.locate(sandbox_id)
+        except NotFound:
+            raise NotFound(f"sandbox {sandbox_id} not found") from None
+        if info.status == NodeState.DOWN:
+            if binding.state == "running":
+                raise NotFound(f"sandbox {sandbox_id} was lost: its node {info.node_id} is down")
+            raise Unavailable(
+                f"sandbox {sandbox_id} is paused on node {info.node_id}, which is down: it can be "
+                "resumed when the node is back"
+                + ("" if binding.durable else " (its pause is not in a shared repository)")
+            )
+        return binding, info
+
+    async def _on_holder(self, sandbox_id: str, call: Callable[[RemoteNode, Binding], Awaitable[T]]) -> T:
+        """`call` on the sandbox's node; a node that no longer knows the sandbox (its timeout
+        ended it, say) has its binding dropped, so no binding outlives its sandbox."""
+        binding, info = await self.locate(sandbox_id)
+        try:
+            return await call(self.remote(info), binding)
+        except NotFound:
+            if await self._gone(sandbox_id, info):
+                await self.scheduler.unbind(sandbox_id, info.node_id)
+            raise
+
+    async def _gone(self, sandbox_id: str, info: NodeInfo) -> bool:
+        try:
+            await self.remote(info).get(sandbox_id)
+        except NotFound:
+            return True
+        return False
+
+    async def _bind(self, record: SandboxRecord, node_id: str, *, durable: bool = False) -> None:
+        state = "paused" if record.state == "paused" else "running"
+        binding = Binding(
+            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id,
+            durable=durable,
+        )  # fmt: skip
+        await self.scheduler.bind(binding)
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def create(self, request: CreateRequest) -> SandboxRecord:
+        """On the scheduler's choice; on a node that is full, unreachable or lacks the template,
+        again on the next choice. The last refusal is the answer when no node is left."""
+        refused: list[str] = []
+        failure: SandboxError | None = None
+        for _ in range(MAX_PLACEMENTS):
+            try:
+                info = await self.scheduler.place(Placement(template=request.template, exclude=refused))
+            except Unavailable:
+                if failure is None:
+                    raise
+                raise failure from None
+            try:
+                record = await self.remote(info).create(request)
+            except (Unavailable, NotFound) as exc:
+                log.info("node %s did not create from %s: %s", info.node_id, request.template, exc.message)
+                refused.append(info.node_id)
+                failure = exc
+                continue
+            await self._bind_created(record, info)
+            return record
+        assert failure is not None
+        raise failure
+
+    async def _bind_created(self, record: SandboxRecord, info: NodeInfo) -> None:
+        """Bind a new sandbox; one that cannot be bound is killed, not left for nobody to find."""
+        try:
+            await self._bind(record, info.node_id)
+        except BaseException:
+            log.warning("sandbox %s on %s could not be bound: killing it", record.sandbox_id, info.node_id)
+            await asyncio.shield(self.remote(info).kill(record.sandbox_id))
+            raise
+
+    async def get(self, sandbox_id: str) -> SandboxRecord:
+        return await self._on_holder(sandbox_id, lambda node, _: node.get(sandbox_id))
+
+    async def node_of(self, sandbox_id: str) -> str:
+        """The id of the node that holds the sandbox (as `GET /sandboxes/{id}` reports it)."""
+        return (await self.locate(sandbox_id))[1].node_id
+
+    async def list(self, query: ListQuery) -> list[SandboxRecord]:
+        """Every live node's matches, in a single node's order: start time, then id."""
+        answers = await self._each_node(lambda n: n.list(query))
+        found = [record for _, records in answers for record in records]
+        found.sort(key=lambda r: r.sandbox_id)
+        found.sort(key=_started, reverse=query.order == "desc")
+        return found
+
+    async def _each_node(self, call: Callable[[RemoteNode], Awaitable[T]]) -> list[tuple[NodeInfo, T]]:
+        """`call` on every live node at once; a node that fails is left out (and logged): the
+        others' answers are still the truth about their sandboxes."""
+        nodes = await self.live_nodes()
+        answers = await asyncio.gather(*(call(self.remote(n)) for n in nodes), return_exceptions=True)
+        results = []
+        for info, answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, SandboxError):
+                    raise answer
+                log.warning("node %s left out: %s", info.node_id, answer.message)
+                continue
+            results.append((info, answer))
+        return results
+
+    async def kill(self, sandbox_id: str) -> None:
+        async def kill(node: RemoteNode, binding: Binding) -> None:
+            await node.kill(sandbox_id)
+            await self.scheduler.unbind(sandbox_id, node.node_id)
+
+        await self._on_holder(sandbox_id, kill)
+
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+        async def pause(node: RemoteNode, binding: Binding) -> None:
+            await node.pause(sandbox_id, memory=memory)
+            await self.scheduler.bind(binding.model_copy(update={"state": "paused"}))
+
+        await self._on_holder(sandbox_id, pause)
+
+    async def connect(
+        self, sandbox_id: str, timeout: int | None, *, memory: bool = True
+    ) -> tuple[SandboxRecord, bool]:
+        async def connect(node: RemoteNode, binding: Binding) -> tuple[SandboxRecord, bool]:
+            record, resumed = await node.connect(sandbox_id, timeout, memory=memory)
+            await self._rebind(binding, record)
+            return record, resumed
+
+        return await self._on_holder(sandbox_id, connect)
+
+    async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord:
+        async def resume(node: RemoteNode, binding: Binding) -> SandboxRecord:
+            record = await node.resume(sandbox_id, timeout, memory=memory)
+            await self._rebind(binding, record)
+            return record
+
+        return await self._on_holder(sandbox_id, resume)
+
+    async def _rebind(self, binding: Binding, record: SandboxRecord) -> None:
+        if binding.state != "running":
+            await self.scheduler.bind(binding.model_copy(update={"state": "running"}))
+
+    async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
+        await self._on_holder(sandbox_id, lambda node, _: node.set_timeout(sandbox_id, timeout))
+
+    async def refresh(self, sandbox_id: str, duration: int | None) -> None:
+        await self._on_holder(sandbox_id, lambda node, _: node.refresh(sandbox_id, duration))
+
+    async def snapshot(self, sandbox_id: str, name: str | None, *, memory: bool = True) -> SnapshotManifest:
+        return await self._on_holder(
+            sandbox_id, lambda node, _: node.snapshot(sandbox_id, name, memory=memory)
+        )
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]:
+        """On the source's node, which holds its state; the children are bound there too."""
+
+        async def fork(node: RemoteNode, binding: Binding) -> list[SandboxRecord]:
+            children = await node.fork(sandbox_id, count, timeout)
+            await asyncio.gather(*(self._bind(child, node.node_id) for child in children))
+            return children
+
+        return await self._on_holder(sandbox_id, fork)
+
+    async def update_network(
+        self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
+    ) -> None:
+        await self._on_holder(
+            sandbox_id, lambda node, _: node.update_network(sandbox_id, allow_internet, network)
+        )
+
+    async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
+        return await self._on_holder(sandbox_id, lambda node, _: node.metrics(sandbox_id, start, end))
+
+    async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Asked of each node for its own sandboxes; unknown and unreachable ones are left out."""
+        located = await asyncio.gather(*(self.locate(i) for i in sandbox_ids), return_exceptions=True)
+        by_node: dict[str, tuple[NodeInfo, list[str]]] = {}
+        for sandbox_id, place in zip(sandbox_ids, located, strict=True):
+            if isinstance(place, SandboxError):
+                continue
+            if isinstance(place, BaseException):
+                raise place
+            by_node.setdefault(place[1].node_id, (place[1], []))[1].append(sandbox_id)
+        answers = await asyncio.gather(
+            *(self.remote(info).latest_metrics(ids) for info, ids in by_node.values()), return_exceptions=True
+        )
+        merged: dict[str, dict[str, Any]] = {}
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, SandboxError):
+                raise answer
+            if isinstance(answer, dict):
+                merged |= answer
+        return merged
+
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+        return await self._on_holder(sandbox_id, lambda node, _: node.logs(sandbox_id, start, limit))
+
+    # -- templates and snapshots, cluster-wide -------------------------------------------------
+
+    async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
+        """What any live node has, once each, newest first then by id (as a node lists them)."""
+        unique: dict[str, SnapshotManifest] = {}
+        for _, manifests in await self._each_node(lambda n: n.catalog(kind)):
+            for manifest in manifests:
+                unique.setdefault(manifest.id, manifest)
+        merged = sorted(unique.values(), key=lambda m: m.id)
+        merged.sort(key=lambda m: m.created_at, reverse=True)
+        return merged
+
+    async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
+        for _, manifest in await self._each_node(lambda n: _found(n.find(reference, kind))):
+            if manifest is not None:
+                return manifest
+        raise NotFound(f"{kind or 'template'} '{reference}' not found")
+
+    async def delete_template(self, reference: str) -> None:
+        """Deleted on every node that has it; NotFound only if none has."""
+        deleted = await self._each_node(lambda n: _found(n.delete_template(reference), True))
+        if not any(done for _, done in deleted):
+            raise NotFound(f"'{reference}' not found")
+
+    async def status(self) -> NodeStatus:
+        """The live nodes' status added up (the cluster's `/metrics`)."""
+        statuses = [status for _, status in await self._each_node(lambda n: n.status())]
+        gc = GcTotals()
+        for status in statuses:
+            for field in fields(GcTotals):
+                combine = max if field.name == "last_run_seconds" else sum
+                setattr(gc, field.name, combine((getattr(gc, field.name), getattr(status.gc, field.name))))
+        return NodeStatus(
+            node_id=CLUSTER_ID,
+            records=[record for status in statuses for record in status.records],
+            create_successes=sum(s.create_successes for s in statuses),
+            create_failures=sum(s.create_failures for s in statuses),
+            lost=sum(s.lost for s in statuses),
+            parked=sum(s.parked for s in statuses),
+            gc=gc,
+        )
+
+    # -- template builds -------------------------------------------------------------------------
+    # A build runs on one node, chosen by its template name (the same node whichever gateway is
+    # asked, without state of its own); a template's later calls try nodes in that same order,
+    # moving on only when a node does not know the template.
+
+    async def _by_template(self, name: str, call: Callable[[RemoteNode], Awaitable[T]]) -> T:
+        nodes = _rendezvous(name, await self.live_nodes())
+        missing: NotFound | None = None
+        for info in nodes:
+            try:
+                return await call(self.remote(info))
+            except NotFound as exc:
+                missing = exc
+        raise missing or Unavailable("no node is up")
+
+    async def _build_node(self, name: str) -> RemoteNode:
+        nodes = [n for n in await self.live_nodes() if n.status == NodeState.UP]
+        if not nodes:
+            raise Unavailable("no node is up to build on")
+        return self.remote(_rendezvous(name, nodes)[0])
+
+    async def request_template_build(self, request: BuildRequest) -> BuildTicket:
+        name, _ = split_name(request.name)
+        return await (await self._build_node(name)).request_template_build(request)
+
+    async def template_file(self, template_id: str, files_hash: str) -> FileLink:
+        return await self._by_template(template_id, lambda n: n.template_file(template_id, files_hash))
+
+    async def receive_template_file(
+        self,
+        template_id: str,
+        files_hash: str,
+        expires: str,
+        signature: str,
+        chunks: AsyncIterator[bytes],
+        size: int | None,
+    ) -> None:
+        """To the node that handed out the upload URL (a stream is sent once, not tried around)."""
+        node = await self._build_node(template_id)
+        await node.receive_template_file(template_id, files_hash, expires, signature, chunks, size)
+
+    async def start_template_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
+        await self._by_template(template_id, lambda n: n.start_template_build(template_id, build_id, start))
+
+    async def template_build_status(
+        self, template_id: str, build_id: str, offset: int, limit: int
+    ) -> dict[str, Any]:
+        return await self._by_template(
+            template_id, lambda n: n.template_build_status(template_id, build_id, offset, limit)
+        )
+
+    async def assign_template_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
+        name, _ = split_name(target)
+        return await self._by_template(name, lambda n: n.assign_template_tags(target, tags))
+
+    async def remove_template_tags(self, name: str, tags: list[str]) -> None:
+        template, _ = split_name(name)
+        await self._by_template(template, lambda n: n.remove_template_tags(name, tags))
+
+    async def template_tags(self, reference: str) -> list[TagInfo]:
+        name, _ = split_name(reference)
+        return await self._by_template(name, lambda n: n.template_tags(reference))
+
+    async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
+        """Never local: sandbox networks exist on nodes only, and the gateway's proxy forwards to
+        the node (`aenv.cluster.gateway.GatewayProxy`) instead of asking for a route."""
+        return None
+
+
+async def _found(call: Awaitable[T], done: Any = None) -> T | Any | None:
+    """`call`'s answer (or `done` for a call that answers nothing); None when it is NotFound."""
+    try:
+        answer = await call
+    except NotFound:
+        return None
+    return done if done is not None else answer

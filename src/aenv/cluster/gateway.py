@@ -1,0 +1,179 @@
+"""`aenv gateway`: the cluster's front door, the E2B API and data plane of a node, for many.
+
+The API is the node's own (`NodeAPI`), served over `ClusterNode`, so the official SDKs see no
+difference; `GET /nodes` lists the scheduler's nodes and `GET /sandboxes/{id}` names the node
+that holds the sandbox in E2B's `clientID`. Data-plane traffic (the E2B routing headers, sandbox
+hosts, `/proxy`, WebSockets, streams) is forwarded by `GatewayProxy` to the node that holds the
+sandbox, which checks its tokens and relays it to the guest as for a client of its own.
+
+A gateway keeps no state: bindings and nodes are the scheduler's. Run several behind one name;
+when one dies its clients retry another and find everything where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import replace
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from aiohttp import web
+
+from .. import __version__
+from ..api import schemas, views
+from ..api.proxy import (
+    SANDBOX_NOT_FOUND,
+    TRAFFIC_TOKEN_HEADER,
+    ProxyRoute,
+    SandboxProxy,
+    UpstreamPool,
+    sandbox_error,
+)
+from ..api.runner import APIRunner
+from ..api.server import NodeAPI
+from ..config import Settings
+from ..orchestrator.errors import NotFound, SandboxError
+from .auth import CLUSTER_SECRET_HEADER
+from .clusternode import ClusterNode
+from .model import NodeInfo
+from .protocols import Scheduler
+from .remote import cluster_client
+
+log = logging.getLogger("aenv.gateway")
+
+
+class GatewayProxy(SandboxProxy):
+    """Forwards each data-plane request to the node that holds its sandbox.
+
+    The request goes on as the node's `/proxy` form (routing headers, the target unchanged
+    after the prefix), with the cluster secret and the client's traffic token; the client's Host
+    travels as `X-Forwarded-Host`. Connections to each node are kept alive and shared by all of
+    its sandboxes.
+    """
+
+    def __init__(self, api: NodeAPI, cluster: ClusterNode, domain: str | None, secret: str):
+        super().__init__(api, domain)
+        self.cluster = cluster
+        self.secret = secret
+
+    async def serve(self, request: web.Request, route: ProxyRoute) -> web.StreamResponse:
+        try:
+            _, info = await self.cluster.locate(route.sandbox_id)
+        except NotFound as exc:
+            return sandbox_error(502, route.sandbox_id, SANDBOX_NOT_FOUND, reason=exc.message)
+        except SandboxError as exc:
+            return sandbox_error(503, route.sandbox_id, exc.message)
+        target = "/proxy" + route.target if route.target.startswith("/") else route.target
+        hop = replace(route, target=target, host=urlsplit(info.address).netloc)
+        return await self.relay(request, hop, self._node_pool(info))
+
+    def _node_pool(self, info: NodeInfo) -> UpstreamPool:
+        pool = self._pools.get(info.node_id)
+        if pool is None or pool.upstream != info.address:
+            if pool is not None:
+                pool.close()
+            address = urlsplit(info.address)
+            host, port = address.hostname or "127.0.0.1", address.port or 80
+
+            async def open_node(_port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                return await asyncio.open_connection(host, port)
+
+            pool = self._pools[info.node_id] = UpstreamPool(info.address, open_node)
+        return pool
+
+    def hop_headers(self, request: web.Request, route: ProxyRoute) -> list[str]:
+        lines = [
+            f"E2b-Sandbox-Id: {route.sandbox_id}",
+            f"E2b-Sandbox-Port: {route.port}",
+            f"{CLUSTER_SECRET_HEADER}: {self.secret}",
+        ]
+        if (token := request.headers.get(TRAFFIC_TOKEN_HEADER)) is not None:
+            lines.append(f"{TRAFFIC_TOKEN_HEADER}: {token}")
+        return lines
+
+
+def node_view(info: NodeInfo) -> dict[str, Any]:
+    """A node as the gateway's `/nodes` shows it: identity, status, capacity and use."""
+    return {
+        "id": info.node_id,
+        "nodeID": info.node_id,
+        "address": info.address,
+        "status": info.status.value,
+        "version": info.version,
+        "sandboxCount": info.usage.running,
+        "sandboxPausedCount": info.usage.paused,
+        "capacity": {
+            "memoryMB": info.capacity.memory_mib,
+            "cpuCount": info.capacity.vcpus,
+            "diskFreeMB": info.capacity.disk_free_mib,
+        },
+        "usage": {"memoryMB": info.usage.memory_mib, "cpuCount": info.usage.vcpus},
+        "cachedBuilds": info.cached,
+        "heartbeatAt": info.heartbeat_at,
+    }
+
+
+class GatewayAPI(NodeAPI):
+    """The node's API over the cluster, with the cluster's view of nodes and sandboxes."""
+
+    node: ClusterNode
+
+    def __init__(self, cluster: ClusterNode, *, domain: str, limits: dict[str, int], secret: str):
+        super().__init__(cluster, domain=domain, limits=limits)
+        self.proxy = GatewayProxy(self, cluster, domain.split(":", 1)[0] or None, secret)
+
+    async def get_sandbox(self, request: web.Request) -> web.Response:
+        """The node's answer, with the id of the node that holds the sandbox as `clientID`."""
+        sandbox_id = self._id(request)
+        record = await self.node.get(sandbox_id)
+        detail = views.detail(record, self.domain)
+        return web.json_response(detail | {"clientID": await self.node.node_of(sandbox_id)})
+
+    async def list_nodes(self, request: web.Request) -> web.Response:
+        return web.json_response([node_view(n) for n in await self.node.scheduler.nodes()])
+
+    async def get_node(self, request: web.Request) -> web.Response:
+        return web.json_response(node_view(await self.node.scheduler.node(request.match_info["nodeID"])))
+
+
+def gateway_app(
+    scheduler: Scheduler, settings: Settings, api_key: str, transport: httpx.AsyncBaseTransport | None = None
+) -> web.Application:
+    """The gateway's application: the API (checked against `api_key`) and the proxy."""
+    if not settings.cluster_secret:
+        raise SystemExit("aenv gateway needs the cluster secret (AENV_CLUSTER_SECRET) its nodes take")
+    client = cluster_client(settings.cluster_secret, transport=transport)
+    cluster = ClusterNode(scheduler, client)
+    port = settings.gateway_addr.rsplit(":", 1)[1]
+    domain = settings.domain or f"localhost:{port}"
+    api = GatewayAPI(cluster, domain=domain, limits=schemas.limits(settings), secret=settings.cluster_secret)
+    app = api.app(api_key)
+
+    async def close_client(app: web.Application) -> None:
+        await client.aclose()
+
+    app.on_cleanup.append(close_client)
+    return app
+
+
+async def serve(settings: Settings, scheduler: Scheduler) -> None:
+    from ..node import api_key
+
+    app = gateway_app(scheduler, settings, api_key(settings))
+    runner = APIRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
+    await runner.setup()
+    host, port = settings.gateway_addr.rsplit(":", 1)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, host, int(port), reuse_address=True).start()
+        log.info("aenv %s gateway on http://%s, scheduler %s", __version__, settings.gateway_addr,
+                 settings.scheduler_url)  # fmt: skip
+        await stop.wait()
+    finally:
+        await runner.cleanup()
