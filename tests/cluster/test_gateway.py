@@ -1,0 +1,291 @@
+"""The gateway without VMs: its API and proxy over real HTTP to node APIs serving fake nodes,
+a fake scheduler, and an echo server standing in for a node's data plane."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from aiohttp import WSMsgType, web
+from aiohttp.test_utils import TestServer
+
+from aenv.api import schemas
+from aenv.api.server import NodeAPI
+from aenv.cluster.auth import CLUSTER_SECRET_HEADER
+from aenv.cluster.gateway import gateway_app
+from aenv.cluster.model import NodeState
+from aenv.cluster.remote import RemoteNode, cluster_client
+from aenv.config import Settings
+from aenv.orchestrator.errors import Conflict, NotFound, OperationFailed, Unavailable
+from tests.cluster.fakes import FakeNode, FakeScheduler, manifest, node_info
+
+# Fixtures run on the session's loop (asyncio_default_fixture_loop_scope): so do these tests.
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SECRET = "cluster-secret-for-tests"
+KEY = "e2b_gateway_key"
+NODE_KEY = "e2b_node_key"
+BASE = manifest("base1", "2026-01-01T00:00:00+00:00", alias="base")
+SETTINGS = Settings(cluster_secret=SECRET, gateway_addr="127.0.0.1:8080")
+
+
+@dataclass
+class Cluster:
+    scheduler: FakeScheduler
+    nodes: dict[str, FakeNode]
+    gateway: httpx.AsyncClient
+
+    async def create(self, **body: object) -> dict:
+        response = await self.gateway.post("/sandboxes", json={"templateID": "base1", **body})
+        assert response.status_code == 201, response.text
+        return response.json()
+
+
+async def serve(app: web.Application) -> TestServer:
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    scheduler = FakeScheduler()
+    nodes = {name: FakeNode(name, [BASE]) for name in ("na", "nb")}
+    servers = []
+    for name, node in nodes.items():
+        api = NodeAPI(node, domain="localhost:1", limits=schemas.limits(SETTINGS))  # type: ignore[arg-type]
+        server = await serve(api.app(NODE_KEY, SECRET))
+        servers.append(server)
+        await scheduler.register(node_info(name, str(server.make_url("")).rstrip("/")))
+    gateway = await serve(gateway_app(scheduler, SETTINGS, KEY))
+    servers.append(gateway)
+    async with httpx.AsyncClient(base_url=str(gateway.make_url("")), headers={"X-API-Key": KEY}) as client:
+        yield Cluster(scheduler, nodes, client)
+    for server in servers:
+        await server.close()
+
+
+async def test_creates_spread_over_nodes_and_each_call_reaches_the_holder(cluster: Cluster) -> None:
+    created = [await cluster.create(metadata={"n": str(i)}) for i in range(4)]
+    holders = {c["sandboxID"]: cluster.scheduler.bound[c["sandboxID"]].node_id for c in created}
+    assert sorted(holders.values()) == ["na", "na", "nb", "nb"]
+    for sandbox_id, node_id in holders.items():
+        assert sandbox_id in cluster.nodes[node_id].sandboxes
+        detail = (await cluster.gateway.get(f"/sandboxes/{sandbox_id}")).json()
+        assert detail["clientID"] == node_id and detail["envdAccessToken"] == "envd-token"
+        assert detail["domain"] == "localhost:8080"  # the gateway's, not the node's
+    first = created[0]["sandboxID"]
+    assert (await cluster.gateway.post(f"/sandboxes/{first}/pause")).status_code == 204
+    assert cluster.scheduler.bound[first].state == "paused"
+    assert (await cluster.gateway.post(f"/sandboxes/{first}/pause")).status_code == 409  # the node's Conflict
+    assert (
+        await cluster.gateway.post(f"/sandboxes/{first}/connect", json={"timeout": 60})
+    ).status_code == 201
+    assert cluster.scheduler.bound[first].state == "running"
+    assert (await cluster.gateway.delete(f"/sandboxes/{first}")).status_code == 204
+    assert first not in cluster.scheduler.bound
+    missing = await cluster.gateway.get(f"/sandboxes/{first}")
+    assert missing.status_code == 404 and missing.json()["code"] == 404
+
+
+async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None:
+    ids = {(await cluster.create(metadata={"job": "a"}))["sandboxID"] for _ in range(5)}
+    await cluster.create(metadata={"job": "b"})
+    everything = (await cluster.gateway.get("/v2/sandboxes", params={"metadata": "job=a"})).json()
+    assert {s["sandboxID"] for s in everything} == ids
+    paged, token = [], None
+    while True:
+        params = {"metadata": "job=a", "limit": "2"} | ({"nextToken": token} if token else {})
+        response = await cluster.gateway.get("/v2/sandboxes", params=params)
+        paged += response.json()
+        if not (token := response.headers.get("X-Next-Token")):
+            break
+    assert paged == everything
+    assert [s["startedAt"] for s in everything] == sorted((s["startedAt"] for s in everything), reverse=True)
+
+
+async def test_a_full_node_or_one_without_the_template_passes_the_create_on(cluster: Cluster) -> None:
+    cluster.nodes["na"].full = True
+    created = [(await cluster.create())["sandboxID"] for _ in range(2)]
+    assert [cluster.scheduler.bound[i].node_id for i in created] == ["nb", "nb"]
+    cluster.nodes["nb"].templates.clear()
+    refused = await cluster.gateway.post("/sandboxes", json={"templateID": "base1"})
+    assert refused.status_code == 404  # nb lacks the template, na is full: the last refusal is the answer
+    cluster.nodes["nb"].templates["base1"] = BASE
+    cluster.nodes["nb"].full = True
+    full = await cluster.gateway.post("/sandboxes", json={"templateID": "base1"})
+    assert full.status_code == 503 and "full" in full.json()["message"]
+
+
+async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster: Cluster) -> None:
+    created = {
+        cluster.scheduler.bound[(c := await cluster.create())["sandboxID"]].node_id: c for _ in range(4)
+    }
+    lost, kept = created["na"]["sandboxID"], created["nb"]["sandboxID"]
+    paused = next(i for i, b in cluster.scheduler.bound.items() if b.node_id == "na" and i != lost)
+    await cluster.gateway.post(f"/sandboxes/{paused}/pause")
+    cluster.scheduler.set_status("na", NodeState.DOWN)
+    answer = await cluster.gateway.get(f"/sandboxes/{lost}")
+    assert (
+        answer.status_code == 404 and "lost" in answer.json()["message"] and "na" in answer.json()["message"]
+    )
+    assert (await cluster.gateway.post(f"/sandboxes/{paused}/connect")).status_code == 503
+    listed = {s["sandboxID"] for s in (await cluster.gateway.get("/v2/sandboxes")).json()}
+    assert kept in listed and lost not in listed
+    assert (await cluster.gateway.get(f"/sandboxes/{kept}")).status_code == 200
+    nodes = {n["id"]: n for n in (await cluster.gateway.get("/nodes")).json()}
+    assert nodes["na"]["status"] == "down" and nodes["nb"]["status"] == "up"
+    assert (await cluster.gateway.get("/nodes/nb")).json()["address"] == nodes["nb"]["address"]
+
+
+async def test_a_sandbox_its_node_no_longer_has_loses_its_binding(cluster: Cluster) -> None:
+    sandbox_id = (await cluster.create())["sandboxID"]
+    node = cluster.nodes[cluster.scheduler.bound[sandbox_id].node_id]
+    del node.sandboxes[sandbox_id]  # ended on the node (its timeout, say)
+    assert (await cluster.gateway.get(f"/sandboxes/{sandbox_id}")).status_code == 404
+    assert sandbox_id not in cluster.scheduler.bound
+
+
+async def test_fork_stays_on_the_source_node_and_binds_the_children(cluster: Cluster) -> None:
+    source = (await cluster.create())["sandboxID"]
+    home = cluster.scheduler.bound[source].node_id
+    forked = await cluster.gateway.post(f"/sandboxes/{source}/fork", json={"count": 2})
+    assert forked.status_code == 201
+    children = [c["sandbox"]["sandboxID"] for c in forked.json()]
+    assert [cluster.scheduler.bound[c].node_id for c in children] == [home, home]
+
+
+async def test_templates_are_cluster_wide(cluster: Cluster) -> None:
+    cluster.nodes["nb"].templates["tmpl2"] = manifest("tmpl2", "2026-02-01T00:00:00+00:00")
+    listed = (await cluster.gateway.get("/templates")).json()
+    assert [t["templateID"] for t in listed] == ["tmpl2", "base1"]
+    assert (await cluster.gateway.get("/templates/tmpl2")).status_code == 200
+    assert (await cluster.gateway.get("/templates/aliases/base")).json()["templateID"] == "base1"
+    assert (await cluster.gateway.get("/templates/nothing")).status_code == 404
+
+
+async def test_the_gateway_takes_the_cluster_api_key_only(cluster: Cluster) -> None:
+    wrong = await cluster.gateway.get("/v2/sandboxes", headers={"X-API-Key": NODE_KEY})
+    assert wrong.status_code == 401
+    secret_only = await cluster.gateway.get(
+        "/v2/sandboxes", headers={"X-API-Key": "", CLUSTER_SECRET_HEADER: SECRET}
+    )
+    assert secret_only.status_code == 401
+
+
+async def test_a_node_with_a_cluster_secret_takes_nothing_without_it(cluster: Cluster) -> None:
+    address = (await cluster.scheduler.node("na")).address
+    async with httpx.AsyncClient(base_url=address) as node:
+        assert (await node.get("/health")).status_code == 204
+        assert (await node.get("/v2/sandboxes", headers={"X-API-Key": NODE_KEY})).status_code == 401
+        proxied = await node.get("/", headers={"E2b-Sandbox-Id": "abc", "E2b-Sandbox-Port": "49983"})
+        assert proxied.status_code == 401
+        assert (await node.get("/v2/sandboxes", headers={CLUSTER_SECRET_HEADER: SECRET})).status_code == 200
+        internal = await node.post("/cluster/node/status", json={}, headers={CLUSTER_SECRET_HEADER: "wrong"})
+        assert internal.status_code == 401
+
+
+async def test_a_node_without_a_cluster_secret_has_no_internal_route() -> None:
+    api = NodeAPI(FakeNode("solo", [BASE]), domain="localhost:1", limits=schemas.limits(SETTINGS))  # type: ignore[arg-type]
+    server = await serve(api.app(NODE_KEY))
+    try:
+        async with httpx.AsyncClient(base_url=str(server.make_url("")), headers={"X-API-Key": NODE_KEY}) as c:
+            assert (await c.post("/cluster/node/status", json={})).status_code == 404
+    finally:
+        await server.close()
+
+
+async def test_remote_node_errors_come_back_typed() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "down":
+            raise httpx.ConnectError("connection refused")
+        if request.url.host == "stranger":
+            return httpx.Response(401, json={"code": 401, "message": "wrong secret"})
+        return httpx.Response(409, json={"code": 409, "message": "busy", "error_code": "sandbox_busy"})
+
+    client = cluster_client(SECRET, transport=httpx.MockTransport(answer))
+    with pytest.raises(Unavailable, match="node n1 at http://down is unreachable"):
+        await RemoteNode("n1", "http://down", client).get("abc")
+    with pytest.raises(OperationFailed, match="refused the gateway's credentials"):
+        await RemoteNode("n2", "http://stranger", client).get("abc")
+    with pytest.raises(Conflict) as conflict:
+        await RemoteNode("n3", "http://busy", client).pause("abc")
+    assert conflict.value.error_code == "sandbox_busy"
+    with pytest.raises(NotFound):
+        await RemoteNode("n3", "http://busy", client)._call("no_such_call")
+    await client.aclose()
+
+
+# -- the data plane ----------------------------------------------------------------------------
+
+
+async def echo(request: web.Request) -> web.StreamResponse:
+    """A node's data plane as the gateway sees it: says what arrived, streams, or echoes a WebSocket."""
+    if request.headers.get("Upgrade", "").lower() == "websocket":
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await ws.send_str("echo " + message.data)
+        return ws
+    if request.path == "/proxy/stream":
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i in range(3):
+            await response.write(f"chunk {i}\n".encode())
+        await response.write_eof()
+        return response
+    headers = {k.lower(): request.headers.getall(k) for k in request.headers}
+    body = base64.b64encode(await request.read()).decode()
+    return web.json_response({"target": request.raw_path, "headers": headers, "body": body})
+
+
+@pytest.fixture
+async def data_plane(cluster: Cluster) -> AsyncIterator[tuple[Cluster, str]]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", echo)
+    server = await serve(app)
+    sandbox_id = (await cluster.create())["sandboxID"]
+    node_id = cluster.scheduler.bound[sandbox_id].node_id
+    address = str(server.make_url("")).rstrip("/")
+    cluster.scheduler.infos[node_id] = cluster.scheduler.infos[node_id].model_copy(
+        update={"address": address}
+    )
+    yield cluster, sandbox_id
+    await server.close()
+
+
+async def test_proxied_requests_reach_the_node_in_its_proxy_form(data_plane: tuple[Cluster, str]) -> None:
+    cluster, sandbox_id = data_plane
+    routing = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "8080"}
+    headers = routing | {"e2b-traffic-access-token": "tt", CLUSTER_SECRET_HEADER: "forged", "X-API-Key": ""}
+    response = await cluster.gateway.post("/proxy/a/b?x=1", headers=headers, content=b"payload")
+    seen = response.json()
+    assert seen["target"] == "/proxy/a/b?x=1" and base64.b64decode(seen["body"]) == b"payload"
+    assert seen["headers"]["e2b-sandbox-id"] == [sandbox_id] and seen["headers"]["e2b-sandbox-port"] == [
+        "8080"
+    ]
+    assert seen["headers"][CLUSTER_SECRET_HEADER.lower()] == [SECRET]  # the client's copy is dropped
+    assert seen["headers"]["e2b-traffic-access-token"] == ["tt"]
+    assert seen["headers"]["x-forwarded-host"] == [cluster.gateway.base_url.netloc.decode()]
+    by_host = await cluster.gateway.get("/files", headers={"Host": f"49983-{sandbox_id}.localhost:8080"})
+    assert by_host.json()["target"] == "/proxy/files"
+    assert by_host.json()["headers"]["e2b-sandbox-port"] == ["49983"]
+    streamed = await cluster.gateway.get("/stream", headers=routing)
+    assert streamed.text == "chunk 0\nchunk 1\nchunk 2\n"
+    unknown = await cluster.gateway.get("/", headers=routing | {"E2b-Sandbox-Id": "unknown1"})
+    assert unknown.status_code == 502 and unknown.json()["sandboxId"] == "unknown1"
+
+
+async def test_websockets_are_tunnelled_through_the_gateway(data_plane: tuple[Cluster, str]) -> None:
+    import aiohttp
+
+    cluster, sandbox_id = data_plane
+    headers = {"Host": f"8080-{sandbox_id}.localhost"}
+    url = str(cluster.gateway.base_url.join("/ws"))
+    async with aiohttp.ClientSession() as session, session.ws_connect(url, headers=headers) as ws:
+        await ws.send_str("hello")
+        assert (await ws.receive()).data == "echo hello"
