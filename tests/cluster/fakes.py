@@ -6,15 +6,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 from aenv.orchestrator.errors import Conflict, NotFound, Unavailable
 from aenv.orchestrator.housekeeping import GcTotals
-from aenv.orchestrator.interface import CreateRequest, ListQuery, NodeStatus
+from aenv.orchestrator.interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus
 from aenv.orchestrator.local import matches
 from aenv.orchestrator.states import State
 from aenv.orchestrator.store import SandboxRecord
 from aenv.snapshot.manifest import MachineShape, SnapshotManifest
+from aenv.template.steps import BuildRequest
 from tests.orchestrator.conftest import record
 
 _ids = itertools.count(1)
@@ -114,7 +117,8 @@ class FakeNode:
         self.templates = {m.id: m for m in templates}
         self.sandboxes: dict[str, SandboxRecord] = {}
         self.full = False
-        self.calls: list[str] = []
+        self.builds: dict[str, bytes] = {}
+        self.uploads: dict[str, list[bytes]] = {}
 
     def _get(self, sandbox_id: str) -> SandboxRecord:
         if sandbox_id not in self.sandboxes:
@@ -122,7 +126,6 @@ class FakeNode:
         return self.sandboxes[sandbox_id]
 
     async def create(self, request: CreateRequest) -> SandboxRecord:
-        self.calls.append("create")
         if self.full:
             raise Unavailable(f"node {self.node_id} is full")
         if request.template not in self.templates:
@@ -172,6 +175,31 @@ class FakeNode:
             if reference in (manifest.id, manifest.alias):
                 return manifest
         raise NotFound(f"'{reference}' not found")
+
+    async def request_template_build(self, request: BuildRequest) -> BuildTicket:
+        name = request.name.partition(":")[0]
+        self.builds[name] = b"".join(self.uploads.get(name, []))
+        return BuildTicket(name, f"build-{self.node_id}", ["default"])
+
+    async def template_build_status(
+        self, template_id: str, build_id: str, offset: int, limit: int
+    ) -> dict[str, Any]:
+        if template_id not in self.builds or build_id != f"build-{self.node_id}":
+            raise NotFound(f"build {build_id} of {template_id} not found")
+        return {"templateID": template_id, "buildID": build_id, "status": "building", "logs": []}
+
+    async def template_file(self, template_id: str, files_hash: str) -> FileLink:
+        if template_id not in self.builds:
+            raise NotFound(f"template {template_id} not found")
+        return FileLink(present=False, expires=1 << 40, signature="sig")
+
+    async def receive_template_file(
+        self, template_id: str, files_hash: str, expires: str, signature: str,
+        chunks: AsyncIterator[bytes], size: int | None,
+    ) -> None:  # fmt: skip
+        if template_id not in self.builds:
+            raise NotFound(f"template {template_id} not found")
+        self.uploads.setdefault(template_id, []).extend([chunk async for chunk in chunks])
 
     async def status(self) -> NodeStatus:
         return NodeStatus(self.node_id, list(self.sandboxes.values()), 1, 0, 0, 0, GcTotals(runs=1))

@@ -167,6 +167,19 @@ async def test_templates_are_cluster_wide(cluster: Cluster) -> None:
     assert (await cluster.gateway.get("/templates/nothing")).status_code == 404
 
 
+async def test_a_template_build_stays_on_one_node_whichever_call(cluster: Cluster) -> None:
+    ticket = (await cluster.gateway.post("/v3/templates", json={"name": "mine"})).json()
+    builder = next(n for n in cluster.nodes.values() if "mine" in n.builds)
+    assert ticket["buildID"] == f"build-{builder.node_id}"
+    link = (await cluster.gateway.get("/templates/mine/files/" + "a" * 64)).json()
+    assert link["url"].startswith(str(cluster.gateway.base_url))  # uploads come through the gateway too
+    uploaded = await cluster.gateway.put(link["url"], content=b"files", headers={"X-API-Key": ""})
+    assert uploaded.status_code == 200 and builder.uploads["mine"] == [b"files"]
+    status = await cluster.gateway.get(f"/templates/mine/builds/{ticket['buildID']}/status")
+    assert status.status_code == 200 and status.json()["buildID"] == ticket["buildID"]
+    assert (await cluster.gateway.get("/templates/mine/builds/other/status")).status_code == 404
+
+
 async def test_the_gateway_takes_the_cluster_api_key_only(cluster: Cluster) -> None:
     wrong = await cluster.gateway.get("/v2/sandboxes", headers={"X-API-Key": NODE_KEY})
     assert wrong.status_code == 401
