@@ -34,7 +34,7 @@ from ..api.proxy import (
 )
 from ..api.runner import APIRunner
 from ..api.server import NodeAPI
-from ..config import Settings
+from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
 from .auth import CLUSTER_SECRET_HEADER
 from .clusternode import ClusterNode
@@ -144,7 +144,7 @@ def gateway_app(
 ) -> web.Application:
     """The gateway's application: the API (checked against `api_key`) and the proxy."""
     if not settings.cluster_secret:
-        raise SystemExit("aenv gateway needs the cluster secret (AENV_CLUSTER_SECRET) its nodes take")
+        raise ConfigError("aenv gateway needs the cluster secret its nodes take (AENV_CLUSTER_SECRET)")
     client = cluster_client(settings.cluster_secret, transport=transport)
     cluster = ClusterNode(scheduler, client)
     port = settings.gateway_addr.rsplit(":", 1)[1]
