@@ -91,14 +91,19 @@ def seaweedfs(workdir: Path) -> Iterator[S3Server]:
         _wait_ready(server, process, workdir / "weed.log")
         yield server
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
+        stop(process)
         log.close()
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a server the tests started: SIGTERM, then SIGKILL if it has not exited within 5 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGTERM)
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _wait_ready(server: S3Server, process: subprocess.Popen, log: Path) -> None:

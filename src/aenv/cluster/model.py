@@ -61,3 +61,18 @@ class Placement(BaseModel):
     memory_mib: int = Field(default=512, ge=1)
     vcpus: int = Field(default=1, ge=1)
     exclude: list[str] = Field(default_factory=list)  # node ids not to use (a retry after a failure)
+
+
+class Heartbeat(BaseModel):
+    """What a node reports on each heartbeat (the body of the scheduler's heartbeat route)."""
+
+    usage: NodeUsage
+    capacity: NodeCapacity
+    cached: list[str] = Field(default_factory=list)
+
+
+class Location(BaseModel):
+    """Where a sandbox is: its binding and its node (the answer to a locate)."""
+
+    binding: Binding
+    node: NodeInfo

@@ -1,0 +1,290 @@
+"""`aenv scheduler`: the cluster's node registry, placement and sandbox bindings, over HTTP.
+
+`ClusterScheduler` implements the `Scheduler` protocol on the shared state in Redis
+(`aenv.cluster.state`), so any number of schedulers can serve one cluster. `scheduler_app` serves
+it as JSON on `AENV_SCHEDULER_ADDR`; bodies are the pydantic records of `aenv.cluster.model`,
+errors the API's `{"code", "message"}` with its statuses (`aenv.api.server.STATUS`), and with a
+cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
+
+    GET    /health                      200 {"status": "ok"}; 503 while Redis does not answer
+    POST   /nodes                       register: NodeInfo -> NodeInfo
+    GET    /nodes                       [NodeInfo]
+    GET    /nodes/{node_id}             NodeInfo
+    POST   /nodes/{node_id}/heartbeat   Heartbeat -> NodeInfo (404: register again)
+    POST   /nodes/{node_id}/drain       NodeInfo
+    POST   /placements                  Placement -> NodeInfo (503 when no node has room)
+    GET    /bindings[?node_id=N]        [Binding]
+    GET    /bindings/{sandbox_id}       Location {"binding", "node"}
+    PUT    /bindings/{sandbox_id}       Binding -> 204
+    DELETE /bindings/{sandbox_id}?node_id=N   204 (a no-op unless bound to N)
+
+Placement: a create goes to an up node with room for the request's memory (its capacity less
+its usage, reservations and sandboxes started since its last heartbeat; memory is the hard limit,
+as in the node's own admission), preferring nodes that cache the template, then the fewest
+running sandboxes, then the most free memory and vCPUs. A resume prefers the node holding the
+sandbox while that node is up; a durable pause (in the shared repository) may resume on any
+node with room, a node-local one only on its node (draining included). The chosen node's room is
+reserved atomically: when a concurrent scheduler spent it first, the next candidate is tried.
+A fork is no placement: it stays on its source's node, which the gateway locates.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..api.server import LIMITS_KEY, Handler, error_response, errors, parse
+from ..config import Settings
+from ..orchestrator.errors import InvalidRequest, NotFound, Unavailable
+from ..orchestrator.service import catalog_name
+from .auth import CLUSTER_SECRET_HEADER, presents_secret
+from .model import Binding, Heartbeat, Location, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
+from .serving import listen_until_stopped, run
+from .state import ClusterState, NodeRoom
+
+log = logging.getLogger(__name__)
+
+PUBLIC_PATHS = {"/health"}
+SCHEDULER_KEY = web.AppKey("scheduler", "ClusterScheduler")
+
+
+class ClusterScheduler:
+    """The `Scheduler` protocol on the cluster's shared state."""
+
+    def __init__(self, state: ClusterState):
+        self.state = state
+
+    async def register(self, node: NodeInfo) -> NodeInfo:
+        info = await self.state.register(node)
+        log.info("node %s registered at %s (version %s)", node.node_id, node.address, node.version)
+        return info
+
+    async def heartbeat(
+        self, node_id: str, usage: NodeUsage, capacity: NodeCapacity, cached: list[str]
+    ) -> NodeInfo:
+        return await self.state.heartbeat(node_id, usage, capacity, cached)
+
+    async def nodes(self) -> list[NodeInfo]:
+        return await self.state.nodes()
+
+    async def node(self, node_id: str) -> NodeInfo:
+        return await self.state.node(node_id)
+
+    async def drain(self, node_id: str) -> NodeInfo:
+        info = await self.state.set_status(node_id, NodeState.DRAINING)
+        log.info("node %s is draining: no new placements", node_id)
+        return info
+
+    async def place(self, request: Placement) -> NodeInfo:
+        rooms = await self.state.rooms()
+        if request.kind == "resume":
+            candidates = await self._resume_candidates(request, rooms)
+        else:
+            candidates = ranked(rooms, request)
+        for room in candidates:
+            draining = room.node.status == NodeState.DRAINING
+            if await self.state.reserve(
+                room.node.node_id, request.memory_mib, request.vcpus, allow_draining=draining
+            ):
+                return room.node
+        raise Unavailable(_no_room(rooms, request))
+
+    async def _resume_candidates(self, request: Placement, rooms: list[NodeRoom]) -> list[NodeRoom]:
+        if not request.sandbox_id:
+            raise InvalidRequest("a resume placement needs the sandbox_id")
+        binding = await self.state.binding(request.sandbox_id)
+        home = next(
+            (
+                r
+                for r in rooms
+                if r.node.node_id == binding.node_id
+                and r.node.node_id not in request.exclude
+                and r.fits(request.memory_mib)
+            ),
+            None,
+        )
+        if not binding.durable:
+            if home is None or home.node.status == NodeState.DOWN:
+                raise Unavailable(
+                    f"sandbox {binding.sandbox_id} can only resume on node {binding.node_id}, where its "
+                    "pause is (not in the shared repository), and that node is down, excluded or full"
+                )
+            return [home]
+        first = [home] if home is not None and home.node.status == NodeState.UP else []
+        return first + [r for r in ranked(rooms, request) if r is not home]
+
+    async def bind(self, binding: Binding) -> None:
+        await self.state.bind(binding)
+
+    async def unbind(self, sandbox_id: str, node_id: str) -> None:
+        await self.state.unbind(sandbox_id, node_id)
+
+    async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
+        binding = await self.state.binding(sandbox_id)
+        try:
+            return binding, await self.state.node(binding.node_id)
+        except NotFound:
+            raise NotFound(f"sandbox {sandbox_id} is bound to node {binding.node_id}, which left") from None
+
+    async def bindings(self, node_id: str | None = None) -> list[Binding]:
+        return await self.state.bindings(node_id)
+
+
+def ranked(rooms: list[NodeRoom], request: Placement) -> list[NodeRoom]:
+    """The up nodes with room for the request, best first: caching its template, fewest
+    sandboxes running or starting, most free memory, most free vCPUs (then by id, to be stable)."""
+    template = catalog_name(request.template) if request.template else ""
+    fit = [
+        room
+        for room in rooms
+        if room.node.status == NodeState.UP
+        and room.node.node_id not in request.exclude
+        and room.fits(request.memory_mib)
+    ]
+    return sorted(
+        fit,
+        key=lambda r: (
+            bool(template) and template not in r.node.cached,
+            r.node.usage.running + r.starting,
+            -r.memory_mib,
+            -r.vcpus,
+            r.node.node_id,
+        ),
+    )
+
+
+def _no_room(rooms: list[NodeRoom], request: Placement) -> str:
+    """Why a placement found no node, in one sentence."""
+    counts = {state: sum(r.node.status == state for r in rooms) for state in NodeState}
+    if not rooms:
+        return "no node has registered with the scheduler"
+    summary = ", ".join(f"{n} {state.value}" for state, n in counts.items() if n)
+    excluded = f", {len(request.exclude)} excluded" if request.exclude else ""
+    return f"no node has room for {request.memory_mib} MiB of guest memory ({summary}{excluded})"
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+def _scheduler(request: web.Request) -> ClusterScheduler:
+    return request.app[SCHEDULER_KEY]
+
+
+def _json(model: object) -> web.Response:
+    if isinstance(model, list):
+        return web.json_response(text="[" + ",".join(item.model_dump_json() for item in model) + "]")
+    return web.json_response(text=model.model_dump_json())  # type: ignore[attr-defined]
+
+
+async def health(request: web.Request) -> web.Response:
+    try:
+        await _scheduler(request).state.redis.ping()
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        return error_response(503, f"the cluster state (Redis) does not answer: {exc}")
+    return web.json_response({"status": "ok"})
+
+
+async def register(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).register(await parse(request, NodeInfo)))
+
+
+async def list_nodes(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).nodes())
+
+
+async def get_node(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).node(request.match_info["node_id"]))
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    beat = await parse(request, Heartbeat)
+    node_id = request.match_info["node_id"]
+    return _json(await _scheduler(request).heartbeat(node_id, beat.usage, beat.capacity, beat.cached))
+
+
+async def drain(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).drain(request.match_info["node_id"]))
+
+
+async def place(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).place(await parse(request, Placement)))
+
+
+async def list_bindings(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).bindings(request.query.get("node_id")))
+
+
+async def locate(request: web.Request) -> web.Response:
+    binding, node = await _scheduler(request).locate(request.match_info["sandbox_id"])
+    return _json(Location(binding=binding, node=node))
+
+
+async def bind(request: web.Request) -> web.Response:
+    binding = await parse(request, Binding)
+    if binding.sandbox_id != request.match_info["sandbox_id"]:
+        raise InvalidRequest("the binding's sandbox_id differs from the one in the path")
+    await _scheduler(request).bind(binding)
+    return web.Response(status=204)
+
+
+async def unbind(request: web.Request) -> web.Response:
+    node_id = request.query.get("node_id")
+    if not node_id:
+        raise InvalidRequest("node_id is required: only the node holding a sandbox unbinds it")
+    await _scheduler(request).unbind(request.match_info["sandbox_id"], node_id)
+    return web.Response(status=204)
+
+
+@web.middleware
+async def state_unreachable(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Redis down is the scheduler being unavailable (503, retry later), not its bug."""
+    try:
+        return await handler(request)
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise Unavailable(f"the cluster state (Redis) does not answer: {exc}") from exc
+
+
+def secret_gate(secret: str) -> Handler:
+    @web.middleware
+    async def gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in PUBLIC_PATHS or presents_secret(request.headers, secret):
+            return await handler(request)
+        return error_response(401, f"invalid or missing cluster secret (send it in {CLUSTER_SECRET_HEADER})")
+
+    return gate
+
+
+def scheduler_app(scheduler: ClusterScheduler, secret: str | None) -> web.Application:
+    middlewares = [errors, *([secret_gate(secret)] if secret else []), state_unreachable]
+    app = web.Application(middlewares=middlewares, client_max_size=1 << 20)
+    app[SCHEDULER_KEY] = scheduler
+    app[LIMITS_KEY] = {}
+    app.router.add_get("/health", health)
+    app.router.add_post("/nodes", register)
+    app.router.add_get("/nodes", list_nodes)
+    app.router.add_get("/nodes/{node_id}", get_node)
+    app.router.add_post("/nodes/{node_id}/heartbeat", heartbeat)
+    app.router.add_post("/nodes/{node_id}/drain", drain)
+    app.router.add_post("/placements", place)
+    app.router.add_get("/bindings", list_bindings)
+    app.router.add_get("/bindings/{sandbox_id}", locate)
+    app.router.add_put("/bindings/{sandbox_id}", bind)
+    app.router.add_delete("/bindings/{sandbox_id}", unbind)
+    return app
+
+
+async def serve(settings: Settings) -> None:
+    """Serve the scheduler until SIGINT or SIGTERM."""
+    state = ClusterState.from_url(settings.redis_url, down_after=settings.node_down_after)
+    try:
+        app = scheduler_app(ClusterScheduler(state), settings.cluster_secret)
+        await listen_until_stopped(app, settings.scheduler_addr, "scheduler")
+    finally:
+        await state.close()
+
+
+def main() -> None:
+    run(serve)

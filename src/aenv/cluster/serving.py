@@ -1,0 +1,63 @@
+"""Running one of the cluster's services (the scheduler, a gateway) as a process: settings and
+logging, listening on its `host:port`, stopping cleanly on SIGINT or SIGTERM.
+
+Connections are served by the API's runner, so even requests aiohttp's parser refuses are
+answered with `{"code", "message"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from ..api.runner import APIRunner
+from ..config import ConfigError, Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """`host:port` as its parts; ConfigError for anything else."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"expected host:port, got {addr!r}")
+    return host, int(port)
+
+
+async def listen_until_stopped(app: web.Application, addr: str, name: str) -> None:
+    """Serve `app` on `addr` until the process is asked to stop."""
+    host, port = split_addr(addr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = APIRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        log.info("%s listening on http://%s", name, addr)
+        await stop.wait()
+        log.info("%s stopping", name)
+    finally:
+        await runner.cleanup()
+
+
+def run(serve: Callable[[Settings], Awaitable[None]]) -> None:
+    """The process: settings from the environment, logging, then `serve` until stopped."""
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        raise SystemExit(f"aenv: {exc}") from None
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            asyncio.run(serve(settings))
+        except ConfigError as exc:
+            raise SystemExit(f"aenv: {exc}") from None

@@ -1,0 +1,121 @@
+"""The scheduler's HTTP routes through `SchedulerClient`, against a real Redis: a round trip of
+every call, the cluster secret, and errors as statuses and back as the typed errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from aiohttp.test_utils import TestServer
+
+from aenv.cluster.auth import CLUSTER_SECRET_HEADER
+from aenv.cluster.client import SchedulerClient
+from aenv.cluster.model import Binding, NodeUsage, Placement
+from aenv.cluster.scheduler import ClusterScheduler, scheduler_app
+from aenv.cluster.state import ClusterState
+from aenv.orchestrator.errors import InvalidRequest, NotFound, Unavailable
+from tests.storage.seaweed import free_port
+
+from .test_placement import node
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+SECRET = "s3cret"
+
+
+async def serve(redis_url: str) -> TestServer:
+    state = ClusterState.from_url(redis_url, down_after=10.0)
+    app = scheduler_app(ClusterScheduler(state), SECRET)
+    app.on_cleanup.append(lambda _: state.close())
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def server(redis_url: str) -> AsyncIterator[TestServer]:
+    server = await serve(redis_url)
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def client(server: TestServer) -> AsyncIterator[SchedulerClient]:
+    client = SchedulerClient(str(server.make_url("")), SECRET)
+    yield client
+    await client.close()
+
+
+async def test_round_trip(client: SchedulerClient) -> None:
+    registered = await client.register(node("a", cached=["base"]))
+    assert (registered.node_id, registered.status, registered.cached) == ("a", "up", ["base"])
+    assert registered.registered_at > 0
+    await client.register(node("b"))
+    beat = await client.heartbeat("a", NodeUsage(running=1, memory_mib=512), node("a").capacity, ["base"])
+    assert beat.usage.running == 1 and beat.heartbeat_at >= registered.heartbeat_at
+    assert [n.node_id for n in await client.nodes()] == ["a", "b"]
+    assert (await client.place(Placement(template="base"))).node_id == "a"
+    await client.bind(Binding(sandbox_id="s1", node_id="a", template_id="base"))
+    binding, where = await client.locate("s1")
+    assert (binding.template_id, where.address) == ("base", "http://a:8000")
+    assert [b.sandbox_id for b in await client.bindings("a")] == ["s1"]
+    await client.unbind("s1", "b")  # not b's: stays
+    assert [b.sandbox_id for b in await client.bindings()] == ["s1"]
+    await client.unbind("s1", "a")
+    assert await client.bindings() == []
+    assert (await client.drain("b")).status == "draining"
+    assert (await client.node("b")).status == "draining"
+
+
+async def test_errors_come_back_typed(client: SchedulerClient, server: TestServer) -> None:
+    with pytest.raises(NotFound, match="node ghost is not registered"):
+        await client.heartbeat("ghost", NodeUsage(), node("ghost").capacity, [])
+    with pytest.raises(NotFound, match="not bound"):
+        await client.locate("nobody")
+    with pytest.raises(Unavailable, match="no node has registered"):
+        await client.place(Placement())
+    with pytest.raises(InvalidRequest, match="sandbox_id"):
+        await client.place(Placement(kind="resume"))
+    raw = httpx.AsyncClient(base_url=str(server.make_url("")), headers={CLUSTER_SECRET_HEADER: SECRET})
+    async with raw:
+        bad = await raw.post("/placements", json={"memory_mib": 0})
+        assert bad.status_code == 400 and "memory_mib" in bad.json()["message"]
+        mismatch = await raw.put("/bindings/s9", json={"sandbox_id": "s8", "node_id": "a"})
+        assert mismatch.status_code == 400
+        assert (await raw.delete("/bindings/s9")).status_code == 400
+        missing = await raw.get("/no/such/route")
+        assert missing.status_code == 404 and missing.json()["code"] == 404
+
+
+async def test_the_cluster_secret_is_required(server: TestServer) -> None:
+    async with httpx.AsyncClient(base_url=str(server.make_url(""))) as raw:
+        assert (await raw.get("/health")).json() == {"status": "ok"}
+        refused = await raw.get("/nodes")
+        assert refused.status_code == 401 and CLUSTER_SECRET_HEADER in refused.json()["message"]
+        wrong = await raw.get("/nodes", headers={CLUSTER_SECRET_HEADER: "nope"})
+        assert wrong.status_code == 401
+    stranger = SchedulerClient(str(server.make_url("")), "nope")
+    try:
+        with pytest.raises(Unavailable, match="AENV_CLUSTER_SECRET"):
+            await stranger.nodes()
+    finally:
+        await stranger.close()
+
+
+async def test_unreachable_scheduler_or_redis_is_unavailable() -> None:
+    gone = SchedulerClient(f"http://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(Unavailable, match="unreachable"):
+            await gone.nodes()
+    finally:
+        await gone.close()
+    server = await serve(f"redis://127.0.0.1:{free_port()}/0")  # no Redis there
+    client = SchedulerClient(str(server.make_url("")), SECRET)
+    try:
+        with pytest.raises(Unavailable, match="Redis"):
+            await client.nodes()
+        async with httpx.AsyncClient() as raw:
+            assert (await raw.get(str(server.make_url("/health")))).status_code == 503
+    finally:
+        await client.close()
+        await server.close()
