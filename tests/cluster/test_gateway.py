@@ -302,3 +302,37 @@ async def test_websockets_are_tunnelled_through_the_gateway(data_plane: tuple[Cl
     async with aiohttp.ClientSession() as session, session.ws_connect(url, headers=headers) as ws:
         await ws.send_str("hello")
         assert (await ws.receive()).data == "echo hello"
+
+
+async def test_the_gateway_over_the_real_scheduler(redis_url: str) -> None:
+    """The same calls through `SchedulerClient`, the scheduler's routes and Redis."""
+    from aenv.cluster.client import SchedulerClient
+    from tests.cluster.test_scheduler_http import SECRET as SCHEDULER_SECRET
+    from tests.cluster.test_scheduler_http import serve as serve_scheduler
+
+    scheduler_server = await serve_scheduler(redis_url)
+    scheduler = SchedulerClient(str(scheduler_server.make_url("")), SCHEDULER_SECRET)
+    nodes = {name: FakeNode(name, [BASE]) for name in ("na", "nb")}
+    servers = [scheduler_server]
+    for name, node in nodes.items():
+        api = NodeAPI(node, domain="localhost:1", limits=schemas.limits(SETTINGS))  # type: ignore[arg-type]
+        servers.append(await serve(api.app(NODE_KEY, SECRET)))
+        await scheduler.register(node_info(name, str(servers[-1].make_url("")).rstrip("/")))
+    servers.append(gateway := await serve(gateway_app(scheduler, SETTINGS, KEY)))
+    try:
+        async with httpx.AsyncClient(base_url=str(gateway.make_url("")), headers={"X-API-Key": KEY}) as api:
+            created = [
+                (await api.post("/sandboxes", json={"templateID": "base1"})).json()["sandboxID"]
+                for _ in range(4)
+            ]
+            holders = {i: (await api.get(f"/sandboxes/{i}")).json()["clientID"] for i in created}
+            assert sorted(holders.values()) == ["na", "na", "nb", "nb"]
+            assert all(i in nodes[n].sandboxes for i, n in holders.items())
+            assert len((await api.get("/v2/sandboxes")).json()) == 4
+            assert (await api.delete(f"/sandboxes/{created[0]}")).status_code == 204
+            assert {b.sandbox_id for b in await scheduler.bindings()} == set(created[1:])
+            assert {n["id"] for n in (await api.get("/nodes")).json()} == {"na", "nb"}
+    finally:
+        await scheduler.close()
+        for server in servers:
+            await server.close()

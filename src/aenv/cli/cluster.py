@@ -1,4 +1,5 @@
-"""`aenv scheduler` (run the cluster's scheduler) and `aenv node ls|drain` (ask it about nodes).
+"""`aenv scheduler` and `aenv gateway` (run the cluster's scheduler, a gateway) and
+`aenv node ls|drain` (ask the scheduler about nodes).
 
 The node commands talk to the scheduler at `--scheduler-url`, else `AENV_SCHEDULER_URL`, with
 the cluster secret of `AENV_CLUSTER_SECRET` (or the TOML file of `AENV_CONFIG_PATH`).
@@ -39,6 +40,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "scheduler", help="run the cluster's scheduler: node registry, placement, bindings (AENV_* settings)"
     )
     scheduler.set_defaults(run=run_scheduler)
+    gateway = commands.add_parser(
+        "gateway", help="run a gateway: the cluster's E2B API and sandbox proxy (AENV_* settings)"
+    )
+    gateway.set_defaults(run=run_gateway)
     parser = commands.add_parser("node", help="list the cluster's nodes, drain one (asks the scheduler)")
     parser.add_argument("--scheduler-url", help="the scheduler (default: AENV_SCHEDULER_URL)")
     actions = parser.add_subparsers(dest="action", required=True, metavar="<action>")
@@ -53,6 +58,13 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     from ..cluster.scheduler import main as serve
+
+    serve()
+    return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from ..cluster.gateway import main as serve
 
     serve()
     return 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,7 +21,6 @@ from urllib.parse import urlsplit
 import httpx
 from aiohttp import web
 
-from .. import __version__
 from ..api import schemas, views
 from ..api.proxy import (
     SANDBOX_NOT_FOUND,
@@ -32,15 +30,16 @@ from ..api.proxy import (
     UpstreamPool,
     sandbox_error,
 )
-from ..api.runner import APIRunner
 from ..api.server import NodeAPI
 from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
 from .auth import CLUSTER_SECRET_HEADER
+from .client import SchedulerClient
 from .clusternode import ClusterNode
 from .model import NodeInfo
 from .protocols import Scheduler
 from .remote import cluster_client
+from .serving import listen_until_stopped, run
 
 log = logging.getLogger("aenv.gateway")
 
@@ -159,21 +158,20 @@ def gateway_app(
     return app
 
 
-async def serve(settings: Settings, scheduler: Scheduler) -> None:
+async def serve(settings: Settings) -> None:
+    """Serve the gateway until SIGINT or SIGTERM."""
     from ..node import api_key
 
-    app = gateway_app(scheduler, settings, api_key(settings))
-    runner = APIRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
-    await runner.setup()
-    host, port = settings.gateway_addr.rsplit(":", 1)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if not settings.scheduler_url:
+        raise ConfigError("aenv gateway needs the scheduler's URL (AENV_SCHEDULER_URL)")
+    scheduler = SchedulerClient(settings.scheduler_url, settings.cluster_secret)
     try:
-        await web.TCPSite(runner, host, int(port), reuse_address=True).start()
-        log.info("aenv %s gateway on http://%s, scheduler %s", __version__, settings.gateway_addr,
-                 settings.scheduler_url)  # fmt: skip
-        await stop.wait()
+        app = gateway_app(scheduler, settings, api_key(settings))
+        # auto_decompress off: the proxy forwards bodies as sent, as a node's does.
+        await listen_until_stopped(app, settings.gateway_addr, "gateway", auto_decompress=False)
     finally:
-        await runner.cleanup()
+        await scheduler.close()
+
+
+def main() -> None:
+    run(serve)

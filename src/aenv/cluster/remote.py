@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 
-from ..api.server import STATUS
 from ..orchestrator.errors import OperationFailed, SandboxError, Unavailable
 from ..orchestrator.interface import (
     BuildTicket,
@@ -30,8 +29,8 @@ from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from . import wire
 from .auth import CLUSTER_SECRET_HEADER
+from .client import KINDS
 
-KIND_OF_STATUS: dict[int, type[SandboxError]] = {code: kind for kind, code in STATUS.items()}
 CONNECT_TIMEOUT = 5.0
 # A create or resume under TCG on a busy host can take minutes; the node bounds its own work.
 CALL_TIMEOUT = 900.0
@@ -52,7 +51,7 @@ def node_error(response: httpx.Response, node_id: str) -> SandboxError:
         message, code = f"node {node_id} answered {response.status_code}: {response.text[:200]}", None
     if response.status_code == 401:  # the node refused the gateway itself, not the user
         return OperationFailed(f"node {node_id} refused the gateway's credentials: {message}")
-    kind = KIND_OF_STATUS.get(response.status_code, OperationFailed)
+    kind = KINDS.get(response.status_code, OperationFailed)
     return kind(message, code)
 
 
@@ -76,7 +75,12 @@ class RemoteNode:
     async def _call(self, method: str, **arguments: Any) -> Any:
         body = wire.encode_arguments(method, arguments)
         response = await self._send("POST", wire.call_path(method), json=body)
-        return wire.decode_result(method, response.json()["result"])
+        try:
+            return wire.decode_result(method, response.json()["result"])
+        except (ValueError, KeyError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise OperationFailed(
+                f"node {self.node_id} answered {method} with an unexpected body: {exc}"
+            ) from exc
 
     async def create(self, request: CreateRequest) -> SandboxRecord:
         return await self._call("create", request=request)

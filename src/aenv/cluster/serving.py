@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -29,14 +30,14 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def listen_until_stopped(app: web.Application, addr: str, name: str) -> None:
-    """Serve `app` on `addr` until the process is asked to stop."""
+async def listen_until_stopped(app: web.Application, addr: str, name: str, **options: Any) -> None:
+    """Serve `app` on `addr` until the process is asked to stop; `options` go to the runner."""
     host, port = split_addr(addr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = APIRunner(app, access_log=None, handle_signals=False)
+    runner = APIRunner(app, access_log=None, handle_signals=False, **options)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, reuse_address=True).start()
