@@ -134,6 +134,8 @@ class Membership:
     def for_node(cls, settings: Settings, orchestrator: Orchestrator, node_id: str) -> Membership:
         """This node process's membership: the scheduler of the settings, the node's address."""
         address = settings.node_addr or f"http://{settings.api_addr}"
+        if not settings.node_addr and settings.host in ("0.0.0.0", "::", "[::]"):
+            log.warning("the node advertises %s, which other hosts cannot reach: set AENV_NODE_ADDR", address)
         client = SchedulerClient(settings.scheduler_url, settings.cluster_secret)
         source = OrchestratorSource(orchestrator, node_id)
         return cls(client, source, node_id, address, interval=settings.heartbeat_interval)

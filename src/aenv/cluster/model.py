@@ -30,8 +30,8 @@ class NodeUsage(BaseModel):
 
 
 class NodeInfo(BaseModel):
-    node_id: str
-    address: str  # base URL of the node's API and proxy, e.g. http://10.0.0.5:8000
+    node_id: str = Field(min_length=1, max_length=128)
+    address: str = Field(min_length=1)  # base URL of the node's API and proxy, e.g. http://10.0.0.5:8000
     version: str
     status: NodeState = NodeState.UP
     capacity: NodeCapacity
@@ -45,8 +45,8 @@ class Binding(BaseModel):
     """Which node holds a sandbox. `durable`: its paused state is committed to the shared
     repository, so any node can resume it when its own node is gone."""
 
-    sandbox_id: str
-    node_id: str
+    sandbox_id: str = Field(min_length=1, max_length=128)
+    node_id: str = Field(min_length=1, max_length=128)
     state: Literal["running", "paused"] = "running"
     template_id: str = ""
     durable: bool = False
