@@ -43,7 +43,7 @@ def test_node_ls_and_drain(
     assert "Draining node n1" in capsys.readouterr().out
     assert main(["node", "ls", "-o", "table"]) == 0
     assert "draining" in capsys.readouterr().out
-    assert main(["node", "drain", "nope"]) == 1
+    assert main(["node", "drain", "nope", "--scheduler-url", scheduler_url]) == 1
     assert "node nope is not registered" in capsys.readouterr().err
     monkeypatch.setenv("AENV_CLUSTER_SECRET", "wrong")
     assert main(["node", "ls"]) == 1

@@ -173,12 +173,19 @@ class Membership:
             except SandboxError as exc:  # unreachable, or failing: keep serving, retry later
                 if not self._failing:
                     log.warning("cluster membership: %s; retrying every %.1f s", exc.message, self.interval)
-                self._failing = True
-                self._next_beat = 0.0
-                await asyncio.sleep(self.interval)
+                await self._retry_later()
+                continue
+            except Exception:  # a bug must not end the node's membership silently: log it, go on
+                log.exception("cluster membership failed; retrying every %.1f s", self.interval)
+                await self._retry_later()
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(0.0, self._next_beat - time.monotonic()))
+
+    async def _retry_later(self) -> None:
+        self._failing = True
+        self._next_beat = 0.0  # heartbeat as soon as the scheduler answers again
+        await asyncio.sleep(self.interval)
 
     async def step(self) -> None:
         """One round: register if needed, report changed bindings, heartbeat when it is time."""

@@ -23,7 +23,10 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
 A placement reserves its room (`reserve`); the sandbox's first running bind on that node turns
 the oldest reservation into a pending entry, and the node's next heartbeat, whose usage now
 counts the sandbox, clears the pending entries. A reservation whose create never binds (it
-failed, its gateway died) expires after `RESERVATION_TTL`. A node is down when its last
+failed, its gateway died) expires after `RESERVATION_TTL`. A fork's children are placed by no
+one (they start on their source's node), so their binds take the oldest reservations of
+creates still under way: the room is counted once all the same, only under other names, until
+the next heartbeat counts everything. A node is down when its last
 heartbeat is older than `down_after`; that is computed on every read, never stored.
 """
 
