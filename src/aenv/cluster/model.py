@@ -9,6 +9,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+# Node and sandbox ids: what the node and the orchestrator make (hex, [a-z0-9]), and safe in
+# Redis keys, URL paths and the scheduler's messages.
+ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
 
 class NodeState(StrEnum):
     UP = "up"  # heartbeating, takes placements
@@ -30,7 +34,7 @@ class NodeUsage(BaseModel):
 
 
 class NodeInfo(BaseModel):
-    node_id: str = Field(min_length=1, max_length=128)
+    node_id: str = Field(pattern=ID_PATTERN)
     address: str = Field(min_length=1)  # base URL of the node's API and proxy, e.g. http://10.0.0.5:8000
     version: str
     status: NodeState = NodeState.UP
@@ -45,8 +49,8 @@ class Binding(BaseModel):
     """Which node holds a sandbox. `durable`: its paused state is committed to the shared
     repository, so any node can resume it when its own node is gone."""
 
-    sandbox_id: str = Field(min_length=1, max_length=128)
-    node_id: str = Field(min_length=1, max_length=128)
+    sandbox_id: str = Field(pattern=ID_PATTERN)
+    node_id: str = Field(pattern=ID_PATTERN)
     state: Literal["running", "paused"] = "running"
     template_id: str = ""
     durable: bool = False

@@ -212,7 +212,7 @@ class ClusterState:
         try:
             return await self._scripts[script](keys=keys, args=args)
         except ResponseError as exc:
-            reason, *ids = str(exc).split()
+            reason, *ids = str(exc).split()  # ids have no spaces (model.ID_PATTERN)
             if reason == "AENV_NO_NODE":
                 raise NotFound(f"node {ids[0]} is not registered") from None
             if reason == "AENV_MOVED":
