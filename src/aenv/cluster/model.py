@@ -23,7 +23,7 @@ class NodeState(StrEnum):
 class NodeCapacity(BaseModel):
     memory_mib: int = Field(ge=0)  # guest RAM the node admits in total (RAM x overcommit)
     vcpus: int = Field(ge=0)
-    disk_free_mib: int = Field(ge=0)
+    disk_free_mib: int = Field(ge=0)  # what the node may still write above its disk reserve
 
 
 class NodeUsage(BaseModel):

@@ -47,7 +47,7 @@ from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
 PREFIX = "aenv:"
 # A create takes seconds (longer under TCG on a loaded host); a reservation outlives it by far,
 # and one whose create failed frees its room within this long.
-RESERVATION_TTL = 120.0
+RESERVATION_TTL = 60.0
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
 
