@@ -24,6 +24,7 @@ from . import __version__
 from .api import schemas
 from .api.runner import APIRunner
 from .api.server import NodeAPI
+from .cluster.membership import Membership
 from .config import Settings, load_settings
 from .guest.artifacts import ensure_guest_artifacts
 from .network.pool import NetworkPool
@@ -86,6 +87,7 @@ class Node:
         self.slot_lock = SlotRangeLock(settings.slot_first, settings.slot_count)
         self.storage: Storage | None = None
         self.mount_view: MountView | None = None
+        self.membership: Membership | None = None
 
     async def start(self) -> None:
         settings = self.settings
@@ -144,6 +146,10 @@ class Node:
             settings.api_addr, BASE_TEMPLATE, template, len(self.orchestrator.sandboxes),
             time.monotonic() - started, settings.api_addr,
         )  # fmt: skip
+        if settings.scheduler_url:  # in a cluster: join it once the node serves
+            self.membership = Membership.for_node(settings, self.orchestrator, node_id(home))
+            self.orchestrator.on_changed = self.membership.changed
+            await self.membership.start()
 
     def _confine_vmms(self, home: Path) -> None:
         """Every QEMU from now on: confined, limited, seeing the host read-only (aenv.vmm.confine)."""
@@ -191,6 +197,8 @@ class Node:
             await self.housekeeper.close()
         if self.orchestrator is not None:
             await self.orchestrator.close()
+        if self.membership is not None:  # after the orchestrator: its sandboxes are paused now
+            await self.membership.close()
         if self.networks is not None:
             await self.networks.close()
         if self.mount_view is not None:

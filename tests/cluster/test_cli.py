@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from aenv.cli import main
 from aenv.cluster.client import SchedulerClient
-from tests.storage.seaweed import free_port, stop
 
+from .scheduler_process import scheduler_process
 from .test_placement import node
 
 SECRET = "cli-secret"
@@ -25,27 +20,8 @@ SECRET = "cli-secret"
 
 @pytest.fixture
 def scheduler_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "AENV_SCHEDULER_ADDR": f"127.0.0.1:{port}", "AENV_REDIS_URL": redis_url,
-           "AENV_CLUSTER_SECRET": SECRET, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}  # fmt: skip
-    log = tmp_path / "scheduler.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "aenv.cli", "scheduler"], env=env, stderr=sink)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
+    with scheduler_process(redis_url, tmp_path / "scheduler.log", SECRET) as url:
         yield url
-    finally:
-        stop(process)
-    assert process.returncode == 0, log.read_text()  # SIGTERM is a clean stop
 
 
 def test_node_ls_and_drain(
@@ -67,7 +43,7 @@ def test_node_ls_and_drain(
     assert "Draining node n1" in capsys.readouterr().out
     assert main(["node", "ls", "-o", "table"]) == 0
     assert "draining" in capsys.readouterr().out
-    assert main(["node", "drain", "nope"]) == 1
+    assert main(["node", "drain", "nope", "--scheduler-url", scheduler_url]) == 1
     assert "node nope is not registered" in capsys.readouterr().err
     monkeypatch.setenv("AENV_CLUSTER_SECRET", "wrong")
     assert main(["node", "ls"]) == 1

@@ -83,6 +83,7 @@ async def test_errors_come_back_typed(client: SchedulerClient, server: TestServe
         mismatch = await raw.put("/bindings/s9", json={"sandbox_id": "s8", "node_id": "a"})
         assert mismatch.status_code == 400
         assert (await raw.delete("/bindings/s9")).status_code == 400
+        assert (await raw.post("/nodes/a%20b/drain")).status_code == 400
         missing = await raw.get("/no/such/route")
         assert missing.status_code == 404 and missing.json()["code"] == 404
 

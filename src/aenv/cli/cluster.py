@@ -44,16 +44,29 @@ def register(commands: argparse._SubParsersAction) -> None:
         "gateway", help="run a gateway: the cluster's E2B API and sandbox proxy (AENV_* settings)"
     )
     gateway.set_defaults(run=run_gateway)
-    parser = commands.add_parser("node", help="list the cluster's nodes, drain one (asks the scheduler)")
-    parser.add_argument("--scheduler-url", help="the scheduler (default: AENV_SCHEDULER_URL)")
+    parser = commands.add_parser(
+        "node",
+        parents=[scheduler_flag(None)],
+        help="list the cluster's nodes, drain one (asks the scheduler)",
+    )
     actions = parser.add_subparsers(dest="action", required=True, metavar="<action>")
-    listing = actions.add_parser("list", aliases=["ls"], parents=[output_flag()], help="list nodes")
+    flags = [output_flag(), scheduler_flag(argparse.SUPPRESS)]
+    listing = actions.add_parser("list", aliases=["ls"], parents=flags, help="list nodes")
     listing.set_defaults(run=run_list)
     drain = actions.add_parser(
-        "drain", parents=[output_flag()], help="take no new sandboxes on a node; its sandboxes stay"
+        "drain", parents=flags, help="take no new sandboxes on a node; its sandboxes stay"
     )
     drain.add_argument("node_id")
     drain.set_defaults(run=run_drain)
+
+
+def scheduler_flag(default: object) -> argparse.ArgumentParser:
+    """`--scheduler-url`, before or after the action (SUPPRESS there keeps the value given before)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--scheduler-url", default=default, help="the scheduler (default: AENV_SCHEDULER_URL)"
+    )
+    return parent
 
 
 def run_scheduler(args: argparse.Namespace) -> int:

@@ -9,6 +9,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+# Node and sandbox ids: what the node and the orchestrator make (hex, [a-z0-9]), and safe in
+# Redis keys, URL paths and the scheduler's messages.
+ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+
 
 class NodeState(StrEnum):
     UP = "up"  # heartbeating, takes placements
@@ -19,7 +23,7 @@ class NodeState(StrEnum):
 class NodeCapacity(BaseModel):
     memory_mib: int = Field(ge=0)  # guest RAM the node admits in total (RAM x overcommit)
     vcpus: int = Field(ge=0)
-    disk_free_mib: int = Field(ge=0)
+    disk_free_mib: int = Field(ge=0)  # what the node may still write above its disk reserve
 
 
 class NodeUsage(BaseModel):
@@ -30,8 +34,8 @@ class NodeUsage(BaseModel):
 
 
 class NodeInfo(BaseModel):
-    node_id: str
-    address: str  # base URL of the node's API and proxy, e.g. http://10.0.0.5:8000
+    node_id: str = Field(pattern=ID_PATTERN)
+    address: str = Field(min_length=1)  # base URL of the node's API and proxy, e.g. http://10.0.0.5:8000
     version: str
     status: NodeState = NodeState.UP
     capacity: NodeCapacity
@@ -45,8 +49,8 @@ class Binding(BaseModel):
     """Which node holds a sandbox. `durable`: its paused state is committed to the shared
     repository, so any node can resume it when its own node is gone."""
 
-    sandbox_id: str
-    node_id: str
+    sandbox_id: str = Field(pattern=ID_PATTERN)
+    node_id: str = Field(pattern=ID_PATTERN)
     state: Literal["running", "paused"] = "running"
     template_id: str = ""
     durable: bool = False

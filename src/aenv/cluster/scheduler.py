@@ -18,6 +18,8 @@ cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
     PUT    /bindings/{sandbox_id}       Binding -> 204
     DELETE /bindings/{sandbox_id}?node_id=N   204 (a no-op unless bound to N)
 
+Ids in paths and queries are node or sandbox ids (`model.ID_PATTERN`), else 400.
+
 Placement: a create goes to an up node with room for the request's memory (its capacity less
 its usage, reservations and sandboxes started since its last heartbeat; memory is the hard limit,
 as in the node's own admission), preferring nodes that cache the template, then the fewest
@@ -31,6 +33,7 @@ A fork is no placement: it stays on its source's node, which the gateway locates
 from __future__ import annotations
 
 import logging
+import re
 
 from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -41,7 +44,17 @@ from ..config import Settings
 from ..orchestrator.errors import InvalidRequest, NotFound, Unavailable
 from ..orchestrator.service import catalog_name
 from .auth import CLUSTER_SECRET_HEADER, presents_secret
-from .model import Binding, Heartbeat, Location, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
+from .model import (
+    ID_PATTERN,
+    Binding,
+    Heartbeat,
+    Location,
+    NodeCapacity,
+    NodeInfo,
+    NodeState,
+    NodeUsage,
+    Placement,
+)
 from .serving import listen_until_stopped, run
 from .state import ClusterState, NodeRoom
 
@@ -173,6 +186,16 @@ def _scheduler(request: web.Request) -> ClusterScheduler:
     return request.app[SCHEDULER_KEY]
 
 
+def _id(request: web.Request, name: str) -> str:
+    """A node or sandbox id from the path or query; 400 unless it is one (`model.ID_PATTERN`)."""
+    value = request.match_info.get(name) or request.query.get(name)
+    if not value:
+        raise InvalidRequest(f"{name} is required")
+    if not re.fullmatch(ID_PATTERN, value):
+        raise InvalidRequest(f"{name} must match {ID_PATTERN}, got {value[:200]!r}")
+    return value
+
+
 def _json(model: object) -> web.Response:
     if isinstance(model, list):
         return web.json_response(text="[" + ",".join(item.model_dump_json() for item in model) + "]")
@@ -196,17 +219,17 @@ async def list_nodes(request: web.Request) -> web.Response:
 
 
 async def get_node(request: web.Request) -> web.Response:
-    return _json(await _scheduler(request).node(request.match_info["node_id"]))
+    return _json(await _scheduler(request).node(_id(request, "node_id")))
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     beat = await parse(request, Heartbeat)
-    node_id = request.match_info["node_id"]
+    node_id = _id(request, "node_id")
     return _json(await _scheduler(request).heartbeat(node_id, beat.usage, beat.capacity, beat.cached))
 
 
 async def drain(request: web.Request) -> web.Response:
-    return _json(await _scheduler(request).drain(request.match_info["node_id"]))
+    return _json(await _scheduler(request).drain(_id(request, "node_id")))
 
 
 async def place(request: web.Request) -> web.Response:
@@ -214,27 +237,25 @@ async def place(request: web.Request) -> web.Response:
 
 
 async def list_bindings(request: web.Request) -> web.Response:
-    return _json(await _scheduler(request).bindings(request.query.get("node_id")))
+    node_id = _id(request, "node_id") if "node_id" in request.query else None
+    return _json(await _scheduler(request).bindings(node_id))
 
 
 async def locate(request: web.Request) -> web.Response:
-    binding, node = await _scheduler(request).locate(request.match_info["sandbox_id"])
+    binding, node = await _scheduler(request).locate(_id(request, "sandbox_id"))
     return _json(Location(binding=binding, node=node))
 
 
 async def bind(request: web.Request) -> web.Response:
     binding = await parse(request, Binding)
-    if binding.sandbox_id != request.match_info["sandbox_id"]:
+    if binding.sandbox_id != _id(request, "sandbox_id"):
         raise InvalidRequest("the binding's sandbox_id differs from the one in the path")
     await _scheduler(request).bind(binding)
     return web.Response(status=204)
 
 
 async def unbind(request: web.Request) -> web.Response:
-    node_id = request.query.get("node_id")
-    if not node_id:
-        raise InvalidRequest("node_id is required: only the node holding a sandbox unbinds it")
-    await _scheduler(request).unbind(request.match_info["sandbox_id"], node_id)
+    await _scheduler(request).unbind(_id(request, "sandbox_id"), _id(request, "node_id"))
     return web.Response(status=204)
 
 

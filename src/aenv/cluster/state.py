@@ -23,7 +23,10 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
 A placement reserves its room (`reserve`); the sandbox's first running bind on that node turns
 the oldest reservation into a pending entry, and the node's next heartbeat, whose usage now
 counts the sandbox, clears the pending entries. A reservation whose create never binds (it
-failed, its gateway died) expires after `RESERVATION_TTL`. A node is down when its last
+failed, its gateway died) expires after `RESERVATION_TTL`. A fork's children are placed by no
+one (they start on their source's node), so their binds take the oldest reservations of
+creates still under way: the room is counted once all the same, only under other names, until
+the next heartbeat counts everything. A node is down when its last
 heartbeat is older than `down_after`; that is computed on every read, never stored.
 """
 
@@ -44,7 +47,7 @@ from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
 PREFIX = "aenv:"
 # A create takes seconds (longer under TCG on a loaded host); a reservation outlives it by far,
 # and one whose create failed frees its room within this long.
-RESERVATION_TTL = 120.0
+RESERVATION_TTL = 60.0
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
 
@@ -209,7 +212,7 @@ class ClusterState:
         try:
             return await self._scripts[script](keys=keys, args=args)
         except ResponseError as exc:
-            reason, *ids = str(exc).split()
+            reason, *ids = str(exc).split()  # ids have no spaces (model.ID_PATTERN)
             if reason == "AENV_NO_NODE":
                 raise NotFound(f"node {ids[0]} is not registered") from None
             if reason == "AENV_MOVED":

@@ -124,6 +124,9 @@ class Orchestrator:
         self._closing = False
         # Called with a sandbox id when its VM stops (pause, kill): the proxy drops its connections.
         self.on_stopped: Callable[[str], None] = lambda sandbox_id: None
+        # Called with a sandbox id when its state settles or it is gone: a node in a cluster tells
+        # the scheduler where its sandboxes are (aenv.cluster.membership). Must not block.
+        self.on_changed: Callable[[str], None] = lambda sandbox_id: None
 
     # -- state transitions -----------------------------------------------------------------
 
@@ -131,7 +134,11 @@ class Orchestrator:
         """One operation's state change (`states.transition`); the caller holds the sandbox's lock."""
         if sandbox.id not in self.sandboxes:
             raise NotFound(f"sandbox {sandbox.id} not found")
-        return transition(sandbox.record, op, self.store.put)
+        return transition(sandbox.record, op, self._persist)
+
+    def _persist(self, record: SandboxRecord) -> None:
+        self.store.put(record)
+        self.on_changed(record.sandbox_id)
 
     @contextlib.asynccontextmanager
     async def _operation(self, sandbox: Sandbox, op: Op) -> AsyncIterator[Transition]:
@@ -325,6 +332,7 @@ class Orchestrator:
     def _forget(self, sandbox: Sandbox) -> None:
         self.sandboxes.pop(sandbox.id, None)
         self.store.delete(sandbox.id)
+        self.on_changed(sandbox.id)
 
     # -- VM processes that die -------------------------------------------------------------
 

@@ -1,0 +1,239 @@
+"""A node's membership in a cluster: it registers with the scheduler, heartbeats, and keeps the
+scheduler's bindings of its sandboxes true.
+
+`aenv server` runs a `Membership` when `AENV_SCHEDULER_URL` is set. At start the node registers
+(address, version, capacity); every `heartbeat_interval` it reports its usage and the templates
+and snapshots it caches, and learns its status (draining) from the answer. Each sandbox it holds
+is bound with its state (running or paused) and each one it no longer holds is unbound: at once
+when the orchestrator reports a change (`Orchestrator.on_changed` wakes the loop), and in full
+every `RECONCILE_EVERY` heartbeats, when the node compares its sandboxes with the scheduler's
+bindings of it, so an event missed while the scheduler was unreachable heals.
+
+A scheduler that answers NotFound has forgotten the node (it lost Redis, or dropped the node):
+the node registers again and rebinds everything. A scheduler that cannot be reached changes
+nothing on the node: it keeps serving its sandboxes and retries every heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from .. import __version__
+from ..config import Settings
+from ..orchestrator.admission import free_disk_mib
+from ..orchestrator.errors import Conflict, NotFound, SandboxError
+from ..orchestrator.service import Orchestrator
+from ..orchestrator.states import State, api_state
+from .client import SchedulerClient
+from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
+from .protocols import Scheduler
+
+log = logging.getLogger(__name__)
+
+RECONCILE_EVERY = 10  # heartbeats between full comparisons of the node's sandboxes and bindings
+CLOSE_TIMEOUT = 5.0  # seconds the last report at shutdown may take
+# States whose sandbox is not bound: it does not exist yet, or no longer does.
+UNBOUND = (State.CREATING, State.KILLING)
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What the node holds now: its load, its room and where each of its sandboxes stands."""
+
+    usage: NodeUsage
+    capacity: NodeCapacity
+    bindings: dict[str, Binding]
+
+
+class NodeSource(Protocol):
+    def report(self) -> NodeReport:
+        """The node's current figures; cheap (in memory, one statvfs)."""
+        ...
+
+    def cached(self) -> list[str]:
+        """Ids and aliases of the templates and snapshots materialized on the node (may do I/O)."""
+        ...
+
+
+class OrchestratorSource:
+    """`NodeSource` of this node process: its orchestrator's sandboxes and its repository."""
+
+    def __init__(self, orchestrator: Orchestrator, node_id: str):
+        self.orchestrator = orchestrator
+        self.node_id = node_id
+        self.settings = orchestrator.settings
+
+    def report(self) -> NodeReport:
+        sandboxes = list(self.orchestrator.sandboxes.values())
+        running = [s.record for s in sandboxes if s.vm is not None]
+        admission = self.orchestrator.admission
+        free = free_disk_mib(self.settings.home_path) - self.settings.disk_reserve_mib
+        return NodeReport(
+            usage=NodeUsage(
+                running=len(running),
+                paused=sum(s.record.state == State.PAUSED for s in sandboxes),
+                memory_mib=admission.committed_mib(),
+                vcpus=sum(r.cpu_count for r in running),
+            ),
+            capacity=NodeCapacity(
+                memory_mib=admission.memory_budget_mib, vcpus=os.cpu_count() or 1, disk_free_mib=max(0, free)
+            ),
+            bindings={
+                s.id: Binding(
+                    sandbox_id=s.id,
+                    node_id=self.node_id,
+                    state=api_state(s.record.state),  # type: ignore[arg-type]
+                    template_id=s.record.template_id,
+                    # No repository holds a pause yet (with s3 too, it stays under the node's home):
+                    # only this node can resume its paused sandboxes.
+                    durable=False,
+                )
+                for s in sandboxes
+                if s.record.state not in UNBOUND
+            },
+        )
+
+    def cached(self) -> list[str]:
+        """With a node-local repository, all of it; with a shared one, the snapshots this node
+        holds leases on (their files are in its cache, pinned)."""
+        repository = self.orchestrator.engine.repository
+        manifests = repository.list()
+        if self.settings.repository.startswith("s3://"):
+            leased = repository.local_leases()
+            manifests = [m for m in manifests if m.id in leased]
+        return sorted({name for m in manifests for name in (m.id, m.alias) if name})
+
+
+class Membership:
+    """The node's side of the cluster: one task that registers, heartbeats and binds."""
+
+    def __init__(
+        self, scheduler: Scheduler, source: NodeSource, node_id: str, address: str, *, interval: float
+    ):
+        self.scheduler = scheduler
+        self.source = source
+        self.node_id = node_id
+        self.address = address
+        self.interval = interval
+        self.status: NodeState | None = None  # as the scheduler last answered; None: not registered
+        self._sent: dict[str, Binding] = {}  # what the scheduler holds for this node, as far as we know
+        self._cached: list[str] = []
+        self._beats = 0
+        self._next_beat = 0.0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    @classmethod
+    def for_node(cls, settings: Settings, orchestrator: Orchestrator, node_id: str) -> Membership:
+        """This node process's membership: the scheduler of the settings, the node's address."""
+        address = settings.node_addr or f"http://{settings.api_addr}"
+        if not settings.node_addr and settings.host in ("0.0.0.0", "::", "[::]"):
+            log.warning("the node advertises %s, which other hosts cannot reach: set AENV_NODE_ADDR", address)
+        client = SchedulerClient(settings.scheduler_url, settings.cluster_secret)
+        source = OrchestratorSource(orchestrator, node_id)
+        return cls(client, source, node_id, address, interval=settings.heartbeat_interval)
+
+    def changed(self, sandbox_id: str) -> None:
+        """A sandbox's state settled or it is gone: report it now (the orchestrator's hook)."""
+        self._wake.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="cluster-membership")
+
+    async def close(self) -> None:
+        """Stop, after one last report (the node's shutdown paused or killed its sandboxes)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.status is not None:
+            with contextlib.suppress(SandboxError, TimeoutError):
+                await asyncio.wait_for(self._push(), CLOSE_TIMEOUT)
+        if isinstance(self.scheduler, SchedulerClient):
+            await self.scheduler.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+                if self._failing:
+                    log.info("the scheduler answers again")
+                self._failing = False
+            except NotFound as exc:
+                log.warning("the scheduler does not know this node (%s): registering again", exc.message)
+                self.status = None
+                continue
+            except SandboxError as exc:  # unreachable, or failing: keep serving, retry later
+                if not self._failing:
+                    log.warning("cluster membership: %s; retrying every %.1f s", exc.message, self.interval)
+                await self._retry_later()
+                continue
+            except Exception:  # a bug must not end the node's membership silently: log it, go on
+                log.exception("cluster membership failed; retrying every %.1f s", self.interval)
+                await self._retry_later()
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.0, self._next_beat - time.monotonic()))
+
+    async def _retry_later(self) -> None:
+        self._failing = True
+        self._next_beat = 0.0  # heartbeat as soon as the scheduler answers again
+        await asyncio.sleep(self.interval)
+
+    async def step(self) -> None:
+        """One round: register if needed, report changed bindings, heartbeat when it is time."""
+        if self.status is None:
+            await self._register()
+        self._wake.clear()
+        await self._push()
+        if time.monotonic() >= self._next_beat:
+            await self._heartbeat()
+
+    async def _register(self) -> None:
+        self._cached = await asyncio.to_thread(self.source.cached)
+        report = self.source.report()
+        node = NodeInfo(node_id=self.node_id, address=self.address, version=__version__,
+                        capacity=report.capacity, usage=report.usage, cached=self._cached)  # fmt: skip
+        self.status = (await self.scheduler.register(node)).status
+        log.info("joined the cluster as node %s (%s)", self.node_id, self.address)
+        self._next_beat = time.monotonic() + self.interval
+        await self._reconcile()
+
+    async def _heartbeat(self) -> None:
+        self._beats += 1
+        if self._beats % RECONCILE_EVERY == 0:
+            self._cached = await asyncio.to_thread(self.source.cached)
+            await self._reconcile()
+        report = self.source.report()
+        info = await self.scheduler.heartbeat(self.node_id, report.usage, report.capacity, self._cached)
+        if info.status != self.status:
+            log.info("the scheduler has this node %s", info.status.value)
+        self.status = info.status
+        self._next_beat = time.monotonic() + self.interval
+
+    async def _reconcile(self) -> None:
+        """Take the scheduler's bindings of this node as the truth to correct, then correct it."""
+        self._sent = {b.sandbox_id: b for b in await self.scheduler.bindings(self.node_id)}
+        await self._push()
+
+    async def _push(self) -> None:
+        """Bind what changed since it was last sent, unbind what the node no longer holds."""
+        held = self.source.report().bindings
+        for sandbox_id, binding in held.items():
+            if self._sent.get(sandbox_id) == binding:
+                continue
+            try:
+                await self.scheduler.bind(binding)
+            except Conflict as exc:  # it runs on another node now: that node's word wins
+                log.warning("not binding sandbox %s here: %s", sandbox_id, exc.message)
+            self._sent[sandbox_id] = binding
+        for sandbox_id in [s for s in self._sent if s not in held]:
+            await self.scheduler.unbind(sandbox_id, self.node_id)
+            del self._sent[sandbox_id]

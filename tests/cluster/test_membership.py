@@ -1,0 +1,121 @@
+"""A node's membership against a real scheduler and Redis, with a fake node (no VMs): joining,
+heartbeats, bindings that follow the node's sandboxes, rejoining after Redis lost everything,
+healing a missed event, and a scheduler that is unreachable for a while."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from aenv.cluster.client import SchedulerClient
+from aenv.cluster.membership import RECONCILE_EVERY, Membership, NodeReport
+from aenv.cluster.model import Binding, NodeState, NodeUsage
+from aenv.cluster.scheduler import ClusterScheduler, scheduler_app
+from aenv.cluster.state import ClusterState
+from tests.storage.seaweed import free_port
+
+from .test_placement import node
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+INTERVAL = 0.05
+
+
+class FakeNode:
+    """A `NodeSource` whose sandboxes the test sets: id -> running or paused."""
+
+    def __init__(self) -> None:
+        self.sandboxes: dict[str, str] = {}
+
+    def report(self) -> NodeReport:
+        running = sum(state == "running" for state in self.sandboxes.values())
+        return NodeReport(
+            usage=NodeUsage(running=running, paused=len(self.sandboxes) - running, memory_mib=512 * running),
+            capacity=node("n1").capacity,
+            bindings={
+                sandbox_id: Binding(sandbox_id=sandbox_id, node_id="n1", state=state)  # type: ignore[arg-type]
+                for sandbox_id, state in self.sandboxes.items()
+            },
+        )
+
+    def cached(self) -> list[str]:
+        return ["base"]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
+    """Wait until `check()` holds (the membership works in the background)."""
+    for _ in range(400):
+        if await check():
+            return
+        await asyncio.sleep(INTERVAL)
+    raise AssertionError("the condition never held")
+
+
+@pytest.fixture
+async def scheduler(redis_url: str) -> AsyncIterator[ClusterScheduler]:
+    state = ClusterState.from_url(redis_url, down_after=10.0)
+    yield ClusterScheduler(state)
+    await state.close()
+
+
+async def bound(scheduler: ClusterScheduler) -> dict[str, str]:
+    return {b.sandbox_id: b.state for b in await scheduler.bindings("n1")}
+
+
+async def test_the_node_joins_heartbeats_and_keeps_its_bindings_true(
+    scheduler: ClusterScheduler, redis_url: str
+) -> None:
+    fake = FakeNode()
+    fake.sandboxes = {"s1": "running", "s2": "paused"}
+    membership = Membership(scheduler, fake, "n1", "http://n1:8000", interval=INTERVAL)
+    await membership.start()
+    try:
+        await eventually(lambda: _equals(bound(scheduler), {"s1": "running", "s2": "paused"}))
+        listed = await scheduler.node("n1")
+        assert (listed.address, listed.cached, listed.usage.running) == ("http://n1:8000", ["base"], 1)
+        fake.sandboxes = {"s1": "paused", "s3": "running"}
+        membership.changed("s1")
+        await eventually(lambda: _equals(bound(scheduler), {"s1": "paused", "s3": "running"}))
+
+        await scheduler.unbind("s3", "n1")  # an event the scheduler missed: the reconcile heals it
+        await eventually(lambda: _equals(bound(scheduler), {"s1": "paused", "s3": "running"}))
+        assert membership._beats >= RECONCILE_EVERY
+
+        await scheduler.state.redis.flushall()  # Redis lost everything: the node joins again
+        await eventually(lambda: _equals(bound(scheduler), {"s1": "paused", "s3": "running"}))
+        assert [n.node_id for n in await scheduler.nodes()] == ["n1"]
+
+        await scheduler.drain("n1")
+        await eventually(lambda: _true(membership.status == NodeState.DRAINING))
+    finally:
+        await membership.close()
+
+
+async def test_an_unreachable_scheduler_is_retried(redis_url: str) -> None:
+    port = free_port()
+    fake = FakeNode()
+    fake.sandboxes = {"s1": "running"}
+    client = SchedulerClient(f"http://127.0.0.1:{port}")
+    membership = Membership(client, fake, "n1", "http://n1:8000", interval=INTERVAL)
+    await membership.start()
+    state = ClusterState.from_url(redis_url, down_after=10.0)
+    server = TestServer(scheduler_app(ClusterScheduler(state), None), host="127.0.0.1", port=port)
+    try:
+        await asyncio.sleep(3 * INTERVAL)
+        assert membership.status is None  # it kept trying, nothing else
+        await server.start_server()
+        await eventually(lambda: _equals(bound(ClusterScheduler(state)), {"s1": "running"}))
+    finally:
+        await membership.close()
+        await server.close()
+        await state.close()
+
+
+async def _equals(value: Awaitable[object], expected: object) -> bool:
+    return await value == expected
+
+
+async def _true(value: bool) -> bool:
+    return value
