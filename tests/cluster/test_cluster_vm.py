@@ -23,16 +23,17 @@ import httpx
 import pytest
 
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
-from aenv.devnode import DevNode, free_port, netns_names
+from aenv.devnode import DevNode, free_port
 from tests.cluster.redis_server import RedisServer
+from tests.cluster.scheduler_process import scheduler_process
 from tests.e2e.conftest import wait_until
 from tests.e2e.test_js_sdk import SCRIPT, installed_sdk, run_script
 
 pytestmark = pytest.mark.vm
 
-# Network slots of this module's nodes: apart from the other tests' (0, 4096, 8192, 12288).
-SLOT_FIRST = 16384
-SLOT_COUNT = 256
+# Network slots of this module's nodes: apart from every other node the suite starts.
+SLOT_FIRST = 14848
+SLOT_COUNT = 128
 HEARTBEAT = 0.5  # seconds between a node's heartbeats
 DOWN_AFTER = 4.0  # seconds of silence before the scheduler has a node down
 _LAUNCH = ["setpriv", "--pdeathsig", "TERM", "--", sys.executable, "-m", "aenv.cli"]
@@ -40,10 +41,9 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "src"
 
 
 @dataclass
-class ClusterProcess:
-    """`aenv scheduler` or `aenv gateway` as a subprocess, its log in `log_path`."""
+class Gateway:
+    """`aenv gateway` as a subprocess, its log in `log_path`."""
 
-    command: str
     env: dict[str, str]
     port: int
     log_path: Path
@@ -59,18 +59,18 @@ class ClusterProcess:
         env.update(self.env, PYTHONPATH=str(_PACKAGE_ROOT), AENV_LOG_LEVEL="INFO")
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*_LAUNCH, self.command],
+                [*_LAUNCH, "gateway"],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        wait_until(self._healthy, 60, what=f"aenv {self.command} on {self.url}:\n{self.log_tail()}")
+        wait_until(self._healthy, 60, what=f"aenv gateway on {self.url}:\n{self.log_tail()}")
 
     def _healthy(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise AssertionError(f"aenv {self.command} exited:\n{self.log_tail()}")
+            raise AssertionError(f"aenv gateway exited:\n{self.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
             return httpx.get(self.url + "/health", timeout=2).status_code < 300
         return False
@@ -94,8 +94,7 @@ class ClusterProcess:
 
 @dataclass
 class Cluster:
-    scheduler: ClusterProcess
-    gateways: list[ClusterProcess]
+    gateways: list[Gateway]
     nodes: dict[str, DevNode]  # by node id
     key: str
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -128,49 +127,55 @@ def cluster(
     redis_session.flush()
     root = tmp_path_factory.mktemp("aenv-cluster")
     secret, key = secrets.token_hex(16), "e2b_" + secrets.token_hex(20)
-    common = {"AENV_CLUSTER_SECRET": secret, "AENV_REDIS_URL": redis_session.url}
-    port = free_port()
-    scheduler_env = {"AENV_SCHEDULER_ADDR": f"127.0.0.1:{port}", "AENV_NODE_DOWN_AFTER": str(DOWN_AFTER)}
-    scheduler = ClusterProcess("scheduler", common | scheduler_env, port, root / "scheduler.log")
-    gateways = []
-    for i in range(2):
-        port = free_port()
-        env = common | {"AENV_GATEWAY_ADDR": f"127.0.0.1:{port}", "AENV_API_KEY": key}
-        env["AENV_SCHEDULER_URL"] = scheduler.url
-        gateways.append(ClusterProcess("gateway", env, port, root / f"gateway{i}.log", key))
-    nodes = [
-        DevNode(
-            root / f"node{i}",
-            slot_first=SLOT_FIRST + i * SLOT_COUNT,
-            slot_count=SLOT_COUNT,
-            seed=template_seed,
-            warm_pool_size=1,
-            evict_interval=1,
-            scheduler_url=scheduler.url,
-            cluster_secret=secret,
-            heartbeat_interval=HEARTBEAT,
-        )
-        for i in range(2)
-    ]
-    netns_before = netns_names()
-    try:
-        scheduler.start()
-        for node in nodes:
-            node.start()
-        for gateway in gateways:
-            gateway.start()
-        with httpx.Client(base_url=scheduler.url, headers={CLUSTER_SECRET_HEADER: secret}) as client:
-            ids = wait_until(lambda: _up_nodes(client, len(nodes)), 60, what="the nodes to join")
-        by_address = {node.url: node for node in nodes}
-        yield Cluster(scheduler, gateways, {i: by_address[a] for i, a in ids.items()}, key)
-    finally:
-        for gateway in gateways:
-            gateway.stop()
-        forced = [f for node in nodes for f in node.cleanup()]
-        scheduler.stop()
-        print(f"\ncluster logs in {root}; cleaned up by force: {forced}", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        mp.setenv("AENV_NODE_DOWN_AFTER", str(DOWN_AFTER))
+        scheduler = stack.enter_context(scheduler_process(redis_session.url, root / "scheduler.log", secret))
+        mp.delenv("AENV_NODE_DOWN_AFTER")
+        gateways = [
+            Gateway(
+                {
+                    "AENV_GATEWAY_ADDR": f"127.0.0.1:{port}",
+                    "AENV_API_KEY": key,
+                    "AENV_CLUSTER_SECRET": secret,
+                    "AENV_SCHEDULER_URL": scheduler,
+                },
+                port,
+                root / f"gateway{i}.log",
+                key,
+            )
+            for i, port in enumerate((free_port(), free_port()))
+        ]
+        nodes = [
+            DevNode(
+                root / f"node{i}",
+                slot_first=SLOT_FIRST + i * SLOT_COUNT,
+                slot_count=SLOT_COUNT,
+                seed=template_seed,
+                warm_pool_size=1,
+                evict_interval=1,
+                scheduler_url=scheduler,
+                cluster_secret=secret,
+                heartbeat_interval=HEARTBEAT,
+            )
+            for i in range(2)
+        ]
+        try:
+            for node in nodes:
+                node.start()
+            for gateway in gateways:
+                gateway.start()
+            with httpx.Client(base_url=scheduler, headers={CLUSTER_SECRET_HEADER: secret}) as client:
+                ids = wait_until(lambda: _up_nodes(client, len(nodes)), 60, what="the nodes to join")
+            by_address = {node.url: node for node in nodes}
+            yield Cluster(gateways, {i: by_address[a] for i, a in ids.items()}, key)
+        finally:
+            for gateway in gateways:
+                gateway.stop()
+            forced = [f for node in nodes for f in node.cleanup()]
+            print(f"\ncluster logs in {root}; cleaned up by force: {forced}", file=sys.stderr)
     assert not [pid for node in nodes for pid in node.qemu_pids()]
-    assert not [n for n in netns_names() - netns_before if any(n in node.owned_netns() for node in nodes)]
+    assert not [n for node in nodes for n in node.owned_netns()]
 
 
 def _up_nodes(client: httpx.Client, count: int) -> dict[str, str] | None:
