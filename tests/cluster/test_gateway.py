@@ -19,6 +19,7 @@ from aenv.cluster.gateway import gateway_app
 from aenv.cluster.model import NodeState
 from aenv.cluster.remote import RemoteNode, cluster_client
 from aenv.config import Settings
+from aenv.devnode import free_port
 from aenv.orchestrator.errors import Conflict, NotFound, OperationFailed, Unavailable
 from tests.cluster.fakes import FakeNode, FakeScheduler, manifest, node_info
 
@@ -167,6 +168,14 @@ async def test_templates_are_cluster_wide(cluster: Cluster) -> None:
     assert (await cluster.gateway.get("/templates/nothing")).status_code == 404
 
 
+async def test_metrics_add_up_the_nodes(cluster: Cluster) -> None:
+    for _ in range(3):
+        await cluster.create()
+    metrics = (await cluster.gateway.get("/metrics")).text
+    assert 'aenv_sandboxes{state="running"} 3.0' in metrics
+    assert "aenv_gc_runs 2.0" in metrics  # one run on each of the two nodes
+
+
 async def test_a_template_build_stays_on_one_node_whichever_call(cluster: Cluster) -> None:
     ticket = (await cluster.gateway.post("/v3/templates", json={"name": "mine"})).json()
     builder = next(n for n in cluster.nodes.values() if "mine" in n.builds)
@@ -291,6 +300,12 @@ async def test_proxied_requests_reach_the_node_in_its_proxy_form(data_plane: tup
     assert streamed.text == "chunk 0\nchunk 1\nchunk 2\n"
     unknown = await cluster.gateway.get("/", headers=routing | {"E2b-Sandbox-Id": "unknown1"})
     assert unknown.status_code == 502 and unknown.json()["sandboxId"] == "unknown1"
+    node_id = cluster.scheduler.bound[sandbox_id].node_id
+    cluster.scheduler.infos[node_id] = cluster.scheduler.infos[node_id].model_copy(
+        update={"address": f"http://127.0.0.1:{free_port()}"}
+    )
+    gone = await cluster.gateway.get("/", headers=routing)
+    assert gone.status_code == 502 and "node" in gone.json()["message"]
 
 
 async def test_websockets_are_tunnelled_through_the_gateway(data_plane: tuple[Cluster, str]) -> None:

@@ -384,6 +384,8 @@ class SandboxProxy:
     sandbox is paused or killed, so its connections (in-flight streams included) end at once.
     """
 
+    upstream_failed = PORT_NOT_OPEN  # what a client is told when the upstream fails to answer
+
     def __init__(self, resolver: SandboxResolver, domain: str | None = None):
         self._resolver = resolver
         self.domain = domain.strip(".").lower() if domain else None
@@ -542,7 +544,7 @@ class SandboxProxy:
             return await self._forward(request, route, pool)
         except _UpstreamFailed as exc:
             log.debug("sandbox %s port %d: %s", route.sandbox_id, route.port, exc)
-            return sandbox_error(502, route.sandbox_id, PORT_NOT_OPEN, port=route.port)
+            return sandbox_error(502, route.sandbox_id, self.upstream_failed, port=route.port)
         except _ClientGone:
             return web.Response(status=400, text="incomplete request body")
 

@@ -53,6 +53,8 @@ class GatewayProxy(SandboxProxy):
     its sandboxes.
     """
 
+    upstream_failed = "The node that holds the sandbox did not answer"
+
     def __init__(self, api: NodeAPI, cluster: ClusterNode, domain: str | None, secret: str):
         super().__init__(api, domain)
         self.cluster = cluster
