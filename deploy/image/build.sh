@@ -10,6 +10,8 @@
 #   deploy/image/build.sh --tag aenv:dev        another tag
 #   deploy/image/build.sh --from IMAGE          any base image instead of the local one
 #   deploy/image/build.sh --registry-base       the Containerfile's FROM, pulled as usual
+#   deploy/image/build.sh --host-ca             pip trusts this host's CA bundle during the
+#                                               build (TLS through an intercepting proxy)
 #   deploy/image/build.sh -- ARGS...            more arguments for `podman build`, e.g.
 #                                               --isolation chroot where the OCI runtime cannot
 #                                               start containers (a VM without CAP_SYS_RESOURCE)
@@ -22,9 +24,11 @@ LOCAL_BASE=localhost/aenv-base:bookworm-slim
 SUITE=bookworm
 base=local
 rebuild_base=false
+HOST_CA=/etc/ssl/certs/ca-certificates.crt
+extra=()
 
 log() { echo "build.sh: $*" >&2; }
-usage() { sed -n '2,16s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
+usage() { sed -n '2,18s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -32,6 +36,7 @@ while [ $# -gt 0 ]; do
         --from) base=$2; shift 2 ;;
         --registry-base) base=registry; shift ;;
         --rebuild-base) rebuild_base=true; shift ;;
+        --host-ca) extra+=(--volume "$HOST_CA:/run/host-ca.crt:ro" --build-arg PIP_CERT=/run/host-ca.crt); shift ;;
         -h | --help) usage 0 ;;
         --) shift; break ;;
         *) log "unknown argument: $1"; usage 2 ;;
@@ -93,8 +98,8 @@ esac
 log "building $TAG (${from[*]:-FROM as written})"
 # Host networking for RUN steps: apt and pip reach their mirrors the way this host does.
 if [ "${BUILDER[0]}" = podman ]; then
-    podman build --network host "${from[@]}" "$@" -f "$CONTAINERFILE" -t "$TAG" "$ROOT"
+    podman build --network host "${from[@]}" "${extra[@]}" "$@" -f "$CONTAINERFILE" -t "$TAG" "$ROOT"
 else
-    buildah build --network host "${from[@]}" "$@" -f "$CONTAINERFILE" -t "$TAG" "$ROOT"
+    buildah build --network host "${from[@]}" "${extra[@]}" "$@" -f "$CONTAINERFILE" -t "$TAG" "$ROOT"
 fi
 log "built $TAG; try: podman run --rm $TAG --version"
