@@ -29,6 +29,7 @@ pip_args=()
 host_deps=true
 uninstall=false
 purge=false
+staging=""
 
 log() { echo "install.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -75,8 +76,16 @@ install_packages() {
 
 install_venv() {
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    local package=${wheel:-$SOURCE}
-    log "installing $package into $VENV"
+    local package=$wheel
+    if [ -z "$package" ]; then
+        # Built from a copy: an in-tree build would leave build/ behind, whose stale modules
+        # later builds would package again.
+        staging=$(mktemp -d)
+        trap 'rm -rf "$staging"' EXIT
+        cp -r "$SOURCE/pyproject.toml" "$SOURCE/src" "$staging/"
+        package=$staging
+    fi
+    log "installing ${wheel:-$SOURCE} into $VENV"
     "$VENV/bin/pip" install -q "${pip_args[@]}" "$package"
     # The same version again still replaces the code (an upgrade from a newer tree or wheel).
     "$VENV/bin/pip" install -q --no-deps --force-reinstall "${pip_args[@]}" "$package"
