@@ -11,6 +11,7 @@
 #   deploy/install.sh --uninstall [--purge] [--root DIR]
 # --enable        enable and (re)start these services (default: install them, start none)
 # --skip-host-deps  no scripts/install-host-deps.sh (hosts that run no node: gateway, scheduler)
+# --pip-args ARGS more arguments for pip (e.g. "--no-deps --no-index" with a wheel, offline)
 # --root DIR      install into DIR as if it were / (also DESTDIR): no apt, no systemctl start,
 #                 nothing outside DIR touched (the venv's scripts name DIR/opt/aenv); for tests
 # --uninstall     stop and remove the services, units and venv; configuration and node state
@@ -33,7 +34,7 @@ staging=""
 
 log() { echo "install.sh: $*" >&2; }
 die() { log "$*"; exit 1; }
-usage() { sed -n '2,20s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
+usage() { sed -n '2,21s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
