@@ -2,7 +2,7 @@
 
 Field names are the E2B wire names (camelCase, except `allow_internet_access`). Every field the
 official SDKs send is accepted, including those this node stores without acting on (`mcp`,
-`iam`, `volumeMounts`), so SDK calls never fail on them.
+`iam`), so SDK calls never fail on them.
 
 Every constraint is checked here and declared in the models' JSON schemas, so the OpenAPI
 document states what the node accepts. Bounds that are node settings (`max_timeout`,
@@ -184,6 +184,43 @@ FILESYSTEM_PAUSE_RULE = {
 }
 
 
+VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # aenv.volumes.store.NAME
+
+
+def _mount_path(value: str) -> str:
+    parts = value.split("/")
+    if not value.startswith("/") or value.rstrip("/") == "" or ".." in parts or "\0" in value:
+        raise ValueError("must be an absolute path other than / without '..'")
+    return "/" + "/".join(p for p in parts if p not in ("", "."))
+
+
+class VolumeMount(Body):
+    """A volume (by name) and where the sandbox sees it."""
+
+    name: StrictStr = Field(pattern=VOLUME_NAME)
+    path: Annotated[StrictStr, Field(min_length=2, max_length=1024), AfterValidator(_mount_path)]
+
+
+def _distinct_paths(mounts: list[VolumeMount] | None) -> list[VolumeMount] | None:
+    if mounts and len({m.path for m in mounts}) != len(mounts):
+        raise ValueError("two volume mounts have the same path")
+    return mounts
+
+
+class NewVolume(Body):
+    """`POST /volumes`."""
+
+    name: StrictStr = Field(pattern=VOLUME_NAME)
+
+
+class VolumeMetadata(Body):
+    """`PATCH /volumecontent/{volumeID}/path`: owner and mode to set (unset ones are kept)."""
+
+    uid: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
+    gid: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
+    mode: Annotated[StrictInt, Field(ge=0, le=0o7777)] | None = None
+
+
 class NewSandbox(Body):
     """`POST /v2/sandboxes`: every v2 sandbox is secured, so it has no `secure` field."""
 
@@ -200,7 +237,9 @@ class NewSandbox(Body):
     env_vars: StrMap | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
     iam: dict[str, Any] | None = None
-    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+    volume_mounts: Annotated[
+        list[VolumeMount] | None, Field(max_length=16), AfterValidator(_distinct_paths)
+    ] = Field(default=None, alias="volumeMounts")
 
 
 class NewSandboxV1(NewSandbox):
