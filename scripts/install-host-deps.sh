@@ -13,6 +13,8 @@ PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
     cpio e2fsprogs zstd iproute2 nftables util-linux python3-venv
 )
+# Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server).
+PACKAGES+=(diod)
 # Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
 # (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.
 PACKAGES+=(docker-registry skopeo apache2-utils openssl)

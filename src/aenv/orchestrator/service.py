@@ -50,6 +50,8 @@ DISK_SIZE_MB = 4096
 AUTO_RESUME_MIN_TIMEOUT = 300
 # The cluster-wide metrics view asks each guest for this much of its history, not all of it.
 RECENT_SECONDS = 60
+# Metadata of a snapshot taken while its sandbox had volumes mounted (its guest holds the mounts).
+VOLUMES_MARK = "aenv.volumes"
 LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with the reason)
 # What the engine raises when an operation fails for a reason outside this process's code: QEMU,
 # QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
@@ -317,7 +319,7 @@ class Orchestrator:
                         sandbox, await self.engine.start(manifest.id, record.sandbox_id, init, policy)
                     )
                     try:
-                        await self._mount_volumes(sandbox)
+                        await self._mount_volumes(sandbox, stale=VOLUMES_MARK in manifest.metadata)
                     except BaseException:
                         await self._kill_vm(sandbox)
                         raise
@@ -338,10 +340,15 @@ class Orchestrator:
             raise InvalidRequest("this node has no volumes")
         self.volumes.resolve(mounts)
 
-    async def _mount_volumes(self, sandbox: Sandbox) -> None:
-        """Serve the sandbox's volumes into its namespace and mount them in its running guest."""
-        if sandbox.record.volume_mounts and self.volumes is not None and sandbox.vm is not None:
-            await self.volumes.attach(sandbox.vm, sandbox.record.volume_mounts)
+    async def _mount_volumes(self, sandbox: Sandbox, *, stale: bool = False) -> None:
+        """Serve the sandbox's volumes into its namespace and mount them in its running guest.
+
+        `stale`: its guest comes from a snapshot of a sandbox with volumes, whose mounts it holds
+        and must let go of even if it mounts none itself.
+        """
+        wanted = sandbox.record.volume_mounts
+        if (wanted or stale) and self.volumes is not None and sandbox.vm is not None:
+            await self.volumes.attach(sandbox.vm, wanted)
 
     async def _unmount_volumes(self, sandbox: Sandbox) -> None:
         """The sandbox's VM stopped (pause, kill): its volume server goes too."""
@@ -534,6 +541,8 @@ class Orchestrator:
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
             metadata = {"sandbox_id": sandbox.id}
+            if sandbox.record.volume_mounts:
+                metadata[VOLUMES_MARK] = "mounted"
             try:
                 return await self.engine.snapshot(sandbox.vm, alias=name, metadata=metadata, memory=memory)
             except InvalidName as exc:

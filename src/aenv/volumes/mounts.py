@@ -35,10 +35,12 @@ class SandboxVolumes:
         return found
 
     async def attach(self, vm: SandboxVM, mounts: Mounts) -> None:
-        """Serve the volumes into the sandbox's namespace and have its guest mount them."""
+        """Serve the volumes into the sandbox's namespace and have its guest mount them (and let go
+        of any other mounts of a volume server it holds: none of those servers exists any more)."""
         volumes = self.resolve(mounts)
-        exports = {name: self.store.data(volume) for name, volume in volumes.items()}
-        await self.servers.start(vm.sandbox_id, vm.guest.network, exports)
+        if volumes:
+            exports = {name: self.store.data(volume) for name, volume in volumes.items()}
+            await self.servers.start(vm.sandbox_id, vm.guest.network, exports)
         wanted = [{"path": m["path"], "export": export_path(m["name"]), "port": PORT} for m in mounts]
         await vm.envd.init({"volumeMounts": wanted}, timeout=30)
 

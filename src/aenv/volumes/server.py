@@ -46,6 +46,10 @@ def _script(root: Path, exports: dict[str, Path]) -> str:
         f"mount -t tmpfs -o mode=0755,size=1m aenv-volumes {q(str(root))}",
         f"mkdir {q(f'{root}/usr')} {q(f'{root}{EXPORTS}')}",
         f"mount --bind -o ro /usr {q(f'{root}/usr')}",
+        # diod names each client (getnameinfo): from files only, never a DNS query that fails.
+        f"mkdir {q(f'{root}/etc')}",
+        f"echo 'hosts: files' > {q(f'{root}/etc/nsswitch.conf')}",
+        f"echo '127.0.0.1 localhost' > {q(f'{root}/etc/hosts')}",
     ]
     for top in ("lib", "lib64", "bin", "sbin"):  # merged /usr: symlinks; else read-only binds
         host = Path("/") / top

@@ -68,7 +68,10 @@ class VolumeStore:
                 raise Conflict(f"a volume named '{name}' already exists")
             volume = Volume("vol" + new_sandbox_id()[1:], name, secrets.token_urlsafe(32), rfc3339())
             directory = self.root / volume.volume_id
-            (directory / "data").mkdir(parents=True, mode=0o755)
+            (directory / "data").mkdir(parents=True)
+            # Writable by every user of every sandbox (as /tmp, without the sticky bit): which
+            # uid a guest's user has depends on its image. Entries below get their own modes.
+            (directory / "data").chmod(0o777)
             fd = os.open(directory / RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(asdict(volume), f)
