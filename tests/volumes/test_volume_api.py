@@ -82,6 +82,10 @@ def test_volume_lifecycle_and_content() -> None:
     assert [e.name for e in volume.list("/a")] == ["b"]
     assert volume.update_metadata("/a/b/c.txt", mode=0o644).mode == 0o644
     assert volume.exists("/a/b/c.txt") and not volume.exists("/nope")
+    with pytest.raises(VolumeException, match="already exists"):
+        volume.make_dir("/a/b")
+    with pytest.raises(VolumeException, match="is a directory"):
+        volume.write_file("/a/b", "x")
     with pytest.raises(NotFoundException):
         volume.write_file("/missing/parent.txt", "x")  # without force, parents must exist
     with pytest.raises(NotFoundException):
@@ -111,6 +115,10 @@ def test_content_is_confined_to_the_volume(store: VolumeStore, tmp_path: Path) -
         with pytest.raises(VolumeException, match="outside the volume"):
             volume.write_file("/escape/new.txt", "x")
         assert volume.get_info("/file-link").target == str(secret)
+        (root / "inside").mkdir()
+        (root / "alias").symlink_to("inside")  # a symlink that stays in the volume is followed
+        volume.write_file("/alias/through-link.txt", "kept")
+        assert (root / "inside" / "through-link.txt").read_text() == "kept"
         with pytest.raises(VolumeException, match=r"'\.\.'"):
             volume.list("/../..")
         assert secret.read_text() == "host only" and not (tmp_path / "new.txt").exists()

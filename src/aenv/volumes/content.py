@@ -1,13 +1,17 @@
 """The volume content API's file operations on one volume's data directory.
 
 Paths are the SDK's: relative to the volume's root, with or without a leading `/`. Sandboxes
-write into the same directory (through the volume server), so a path may meet a symlink a
-guest made: every path is resolved with symlinks followed and refused unless it stays inside
-the volume, and the last component is never followed where that would act on its target.
+write into the same directory (through the volume server) and may plant symlinks there, while
+this runs as root on the host: so every directory is opened with `openat2(RESOLVE_BENEATH)`
+from the volume's root, which the kernel refuses to leave by any symlink or `..`, and the final
+component is only ever acted on relative to that directory's descriptor, never followed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import stat
@@ -20,64 +24,92 @@ from ..orchestrator.errors import Conflict, InvalidRequest, NotFound
 
 CHUNK = 1 << 20
 MAX_DEPTH = 16
+SYS_OPENAT2 = 437  # x86-64 and arm64 alike (the unified syscall table)
+RESOLVE_BENEATH = 0x08
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_beneath(root: int, relative: str, flags: int) -> int:
+    """openat2(2) of `relative` below the directory `root`, never resolving to outside it."""
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_BENEATH)
+    fd = _libc.syscall(
+        ctypes.c_long(SYS_OPENAT2), ctypes.c_long(root), ctypes.c_char_p(relative.encode() or b"."),
+        ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
+    )  # fmt: skip
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), relative)
+    return fd
 
 
 class VolumeContent:
     """File operations confined to `root` (a volume's data directory)."""
 
     def __init__(self, root: Path):
-        self.root = root.resolve()
+        self.root = root
 
     # -- paths -----------------------------------------------------------------------------
 
-    def _relative(self, path: str) -> str:
+    @staticmethod
+    def _parts(path: str) -> list[str]:
         if "\0" in path:
             raise InvalidRequest("path must not contain NUL")
         parts = [p for p in path.split("/") if p not in ("", ".")]
         if ".." in parts:
             raise InvalidRequest(f"path {path!r} must not contain '..'")
-        return "/".join(parts)
+        return parts
 
-    def _inside(self, real: Path) -> bool:
-        return real == self.root or self.root in real.parents
+    @contextlib.contextmanager
+    def _directory(self, parts: list[str], path: str, *, create: bool = False) -> Iterator[int]:
+        """A descriptor on the directory `parts` below the root (made first with `create`)."""
+        root = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if create:
+                for depth in range(1, len(parts) + 1):
+                    with (
+                        self._directory(parts[: depth - 1], path) as parent,
+                        contextlib.suppress(FileExistsError),
+                    ):
+                        os.mkdir(parts[depth - 1], 0o755, dir_fd=parent)
+            try:
+                fd = open_beneath(root, "/".join(parts), os.O_PATH | os.O_DIRECTORY)
+            except OSError as exc:
+                raise _refusal(exc, path) from None
+        finally:
+            os.close(root)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
-    def resolve(self, path: str) -> Path:
-        """`path` in the volume; its parent resolved through symlinks, which must stay inside."""
-        relative = self._relative(path)
-        if not relative:
-            return self.root
-        target = self.root / relative
-        parent = target.parent.resolve()
-        if not self._inside(parent):
-            raise InvalidRequest(f"path {path!r} leads outside the volume")
-        return parent / target.name
-
-    def _public(self, real: Path) -> str:
-        return "/" + str(real.relative_to(self.root)) if real != self.root else "/"
-
-    def _missing(self, path: str) -> NotFound:
-        return NotFound(f"path {path} not found in the volume")
+    @contextlib.contextmanager
+    def _parent(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str, str]]:
+        """The parent directory's descriptor, the final name and the public path of `path`."""
+        parts = self._parts(path)
+        if not parts:
+            raise InvalidRequest("this cannot be done to the volume's root")
+        with self._directory(parts[:-1], path, create=create) as fd:
+            yield fd, parts[-1], "/" + "/".join(parts)
 
     # -- reads -----------------------------------------------------------------------------
 
-    def entry(self, real: Path) -> dict[str, Any]:
-        """E2B's `VolumeEntryStat` of a path (not following a final symlink)."""
-        info = real.lstat()
-        kind = (
-            "directory"
-            if stat.S_ISDIR(info.st_mode)
-            else "file"
-            if stat.S_ISREG(info.st_mode)
-            else "symlink"
-            if stat.S_ISLNK(info.st_mode)
-            else "unknown"
-        )
+    @staticmethod
+    def _entry(directory: int, name: str, public: str) -> dict[str, Any]:
+        """E2B's `VolumeEntryStat` of `name` in `directory` (a final symlink is not followed)."""
+        info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        mode = info.st_mode
+        kind = "directory" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "unknown"
+        kind = "symlink" if stat.S_ISLNK(mode) else kind
         body: dict[str, Any] = {
-            "name": real.name if real != self.root else "/",
+            "name": public.rsplit("/", 1)[-1] or "/",
             "type": kind,
-            "path": self._public(real),
+            "path": public,
             "size": info.st_size,
-            "mode": stat.S_IMODE(info.st_mode),
+            "mode": stat.S_IMODE(mode),
             "uid": info.st_uid,
             "gid": info.st_gid,
             "atime": _time(info.st_atime),
@@ -85,46 +117,59 @@ class VolumeContent:
             "ctime": _time(info.st_ctime),
         }
         if kind == "symlink":
-            body["target"] = os.readlink(real)
+            body["target"] = os.readlink(name, dir_fd=directory)
         return body
 
     def stat(self, path: str) -> dict[str, Any]:
-        real = self.resolve(path)
-        try:
-            return self.entry(real)
-        except FileNotFoundError:
-            raise self._missing(path) from None
+        if not self._parts(path):
+            with self._directory([], path) as fd:
+                return self._entry(fd, ".", "/")
+        with self._parent(path) as (fd, name, public):
+            try:
+                return self._entry(fd, name, public)
+            except FileNotFoundError:
+                raise _missing(path) from None
 
     def list(self, path: str, depth: int) -> list[dict[str, Any]]:
         """The entries below a directory, `depth` levels deep (1: its own entries)."""
         if not 1 <= depth <= MAX_DEPTH:
             raise InvalidRequest(f"depth must be between 1 and {MAX_DEPTH}")
-        real = self.resolve(path)
-        if not real.is_dir() or real.is_symlink():
-            if not real.exists() and not real.is_symlink():
-                raise self._missing(path)
-            raise InvalidRequest(f"path {path} is not a directory")
-        return list(self._walk(real, depth))
+        parts = self._parts(path)
+        with self._directory(parts, path) as fd:
+            return list(self._walk(fd, "/" + "/".join(parts), depth))
 
-    def _walk(self, directory: Path, depth: int) -> Iterator[dict[str, Any]]:
-        for child in sorted(directory.iterdir()):
+    def _walk(self, directory: int, public: str, depth: int) -> Iterator[dict[str, Any]]:
+        listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=directory)
+        try:
+            names = sorted(os.listdir(listing))
+        finally:
+            os.close(listing)
+        for name in names:
+            child = f"{public.rstrip('/')}/{name}"
             try:
-                entry = self.entry(child)
+                entry = self._entry(directory, name, child)
             except FileNotFoundError:
                 continue  # removed meanwhile
             yield entry
             if depth > 1 and entry["type"] == "directory":
-                yield from self._walk(child, depth - 1)
+                try:
+                    fd = open_beneath(directory, name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+                except OSError:
+                    continue  # replaced meanwhile
+                try:
+                    yield from self._walk(fd, child, depth - 1)
+                finally:
+                    os.close(fd)
 
     def open_file(self, path: str) -> tuple[int, int]:
         """A descriptor on a regular file for reading, and its size."""
-        real = self.resolve(path)
-        try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise self._missing(path) from None
-        except OSError as exc:
-            raise InvalidRequest(f"path {path} cannot be read: {exc.strerror}") from exc
+        with self._parent(path) as (directory, name, _):
+            try:
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory
+                )
+            except OSError as exc:
+                raise _refusal(exc, path) from None
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
@@ -133,86 +178,91 @@ class VolumeContent:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def _parent(self, path: str, real: Path, parents: bool) -> None:
-        if real == self.root:
-            raise InvalidRequest("the volume's root cannot be replaced")
-        if real.parent.is_dir():
-            return
-        if not parents:
-            raise NotFound(f"the parent directory of {path} does not exist (force creates it)")
-        try:
-            real.parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise Conflict(f"a parent of {path} is not a directory") from None
-        if not self._inside(real.parent.resolve()):
-            raise InvalidRequest(f"path {path!r} leads outside the volume")
-
     def make_dir(self, path: str, *, parents: bool, owner: Owner) -> dict[str, Any]:
-        real = self.resolve(path)
-        self._parent(path, real, parents)
-        try:
-            real.mkdir(mode=0o755)
-        except FileExistsError:
-            raise Conflict(f"{path} already exists") from None
-        owner.apply(real)
-        return self.entry(real)
+        with self._parent(path, create=parents) as (fd, name, public):
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                raise Conflict(f"{path} already exists") from None
+            owner.apply(fd, name)
+            return self._entry(fd, name, public)
 
     async def write_file(
         self, path: str, chunks: AsyncIterator[bytes], *, parents: bool, owner: Owner
     ) -> dict[str, Any]:
         """Write the file from `chunks` through a temporary file, replacing it in one rename."""
-        real = self.resolve(path)
-        self._parent(path, real, parents)
-        if real.is_dir() and not real.is_symlink():
-            raise Conflict(f"{path} is a directory")
-        temporary = real.with_name(f".{real.name}.aenv-upload-{os.getpid()}-{id(chunks)}")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                async for chunk in chunks:
-                    f.write(chunk)
-            owner.apply(temporary)
-            os.replace(temporary, real)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-        return self.entry(real)
+        with self._parent(path, create=parents) as (directory, name, public):
+            temporary = f".{name}.aenv-upload-{os.getpid()}-{id(chunks)}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(temporary, flags, 0o644, dir_fd=directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    async for chunk in chunks:
+                        f.write(chunk)
+                owner.apply(directory, temporary)
+                os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except IsADirectoryError:
+                os.unlink(temporary, dir_fd=directory)
+                raise Conflict(f"{path} is a directory") from None
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=directory)
+                raise
+            return self._entry(directory, name, public)
 
     def update(self, path: str, owner: Owner) -> dict[str, Any]:
-        real = self.resolve(path)
-        if not real.exists() and not real.is_symlink():
-            raise self._missing(path)
-        owner.apply(real)
-        return self.entry(real)
+        with self._parent(path) as (fd, name, public):
+            try:
+                owner.apply(fd, name)
+                return self._entry(fd, name, public)
+            except FileNotFoundError:
+                raise _missing(path) from None
 
     def remove(self, path: str) -> None:
-        real = self.resolve(path)
-        if real == self.root:
-            raise InvalidRequest("the volume's root cannot be removed")
-        if real.is_dir() and not real.is_symlink():
-            shutil.rmtree(real)
-        else:
+        with self._parent(path) as (fd, name, _):
             try:
-                real.unlink()
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
-                raise self._missing(path) from None
+                raise _missing(path) from None
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(name, dir_fd=fd)  # never follows symlinks (the fd-based variant)
+            else:
+                os.unlink(name, dir_fd=fd)
 
 
 class Owner:
     """Owner and mode to set on a created or updated entry (unset fields are left alone)."""
 
     def __init__(self, uid: int | None = None, gid: int | None = None, mode: int | None = None):
-        for name, value, high in (("uid", uid, 1 << 32), ("gid", gid, 1 << 32), ("mode", mode, 0o7777 + 1)):
-            if value is not None and not 0 <= value < high:
-                raise InvalidRequest(f"{name} {value} is out of range")
         self.uid, self.gid, self.mode = uid, gid, mode
 
-    def apply(self, real: Path) -> None:
+    def apply(self, directory: int, name: str) -> None:
         if self.uid is not None or self.gid is not None:
-            os.chown(real, -1 if self.uid is None else self.uid, -1 if self.gid is None else self.gid,
-                     follow_symlinks=False)  # fmt: skip
-        if self.mode is not None and not real.is_symlink():
-            os.chmod(real, self.mode)
+            uid, gid = (-1 if v is None else v for v in (self.uid, self.gid))
+            os.chown(name, uid, gid, dir_fd=directory, follow_symlinks=False)
+        if self.mode is not None:
+            info = os.stat(name, dir_fd=directory, follow_symlinks=False)
+            if not stat.S_ISLNK(info.st_mode):  # a symlink's mode means nothing (and chmod would follow it)
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+                try:
+                    os.chmod(f"/proc/self/fd/{fd}", self.mode)
+                finally:
+                    os.close(fd)
+
+
+def _missing(path: str) -> NotFound:
+    return NotFound(f"path {path} not found in the volume")
+
+
+def _refusal(exc: OSError, path: str) -> Exception:
+    """An error resolving `path` as the client's answer (a missing path, one leading outside)."""
+    if exc.errno == errno.ENOENT:
+        return _missing(path)
+    if exc.errno == errno.EXDEV:  # RESOLVE_BENEATH: a symlink or `..` would leave the volume
+        return InvalidRequest(f"path {path!r} leads outside the volume")
+    if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+        return InvalidRequest(f"path {path} is not a directory here (or is a symlink)")
+    return InvalidRequest(f"path {path} cannot be used: {exc.strerror}")
 
 
 def _time(seconds: float) -> str:

@@ -9,6 +9,8 @@ to them.
 
 from __future__ import annotations
 
+import json
+
 from ..orchestrator.errors import InvalidRequest
 from ..snapshot.model import SandboxVM
 from .server import PORT, VolumeServers, export_path
@@ -42,7 +44,16 @@ class SandboxVolumes:
             exports = {name: self.store.data(volume) for name, volume in volumes.items()}
             await self.servers.start(vm.sandbox_id, vm.guest.network, exports)
         wanted = [{"path": m["path"], "export": export_path(m["name"]), "port": PORT} for m in mounts]
-        await vm.envd.init({"volumeMounts": wanted}, timeout=30)
+        answer = await vm.envd.init({"volumeMounts": wanted}, timeout=30)
+        try:
+            mounted = json.loads(answer)["volumeMounts"]
+        except (ValueError, KeyError, TypeError):
+            mounted = None
+        if mounted != [m["path"] for m in mounts]:
+            raise RuntimeError(
+                f"the guest agent of template {vm.manifest.id} does not mount volumes (it predates "
+                "them): build the template again"
+            )
 
     async def detach(self, sandbox_id: str) -> None:
         await self.servers.stop(sandbox_id)

@@ -132,6 +132,8 @@ class SystemAPI:
         if workdir:
             self.state.default_workdir = workdir
         self.state.save()
+        if mounts is not None:  # the node checks that this guest mounted them (an older envd ignores them)
+            return web.json_response({"volumeMounts": [m.path for m in mounts]})
         return web.Response(status=204)
 
     async def envs(self, request: web.Request) -> web.Response:

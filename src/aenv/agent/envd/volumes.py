@@ -47,15 +47,14 @@ def parse(value: Any) -> list[VolumeMount]:
     return mounts
 
 
-def _stale(server: str) -> list[str]:
-    """Mount points of 9P filesystems from `server`, deepest first."""
+def served_by(server: str, mountinfo: str) -> list[str]:
+    """Mount points of 9P filesystems from `server` in a mountinfo table, deepest first."""
     found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields, _, tail = line.partition(" - ")
-            kind, source = [*tail.split(), "", ""][:2]
-            if kind == "9p" and source == server:
-                found.append(fields.split()[4].encode().decode("unicode_escape"))
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        kind, source = [*tail.split(), "", ""][:2]
+        if kind == "9p" and source == server:
+            found.append(fields.split()[4].encode().decode("unicode_escape"))
     return sorted(found, key=len, reverse=True)
 
 
@@ -69,7 +68,9 @@ def _mount(server: str, mount: VolumeMount) -> None:
 
 def apply(server: str, mounts: list[VolumeMount]) -> None:
     """Detach every mount of `server` this guest holds, then mount `mounts` from it."""
-    for target in _stale(server):
+    with open("/proc/self/mountinfo") as f:
+        stale = served_by(server, f.read())
+    for target in stale:
         if _libc.umount2(target.encode(), MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
             log.warning(
                 "cannot detach the stale volume mount %s: %s", target, os.strerror(ctypes.get_errno())
