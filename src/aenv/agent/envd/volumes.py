@@ -59,7 +59,9 @@ def served_by(server: str, mountinfo: str) -> list[str]:
 
 
 def _mount(server: str, mount: VolumeMount) -> None:
-    options = f"trans=tcp,port={mount.port},version=9p2000.L,aname={mount.export},access=user"
+    # access=user: each guest uid attaches as itself (numerically), so files keep their owners;
+    # the mount's own attach names root, the one name the server knows without a user database.
+    options = f"trans=tcp,port={mount.port},version=9p2000.L,aname={mount.export},access=user,uname=root"
     os.makedirs(mount.path, exist_ok=True)
     if _libc.mount(server.encode(), mount.path.encode(), b"9p", 0, options.encode()) != 0:
         err = ctypes.get_errno()
