@@ -187,24 +187,27 @@ FILESYSTEM_PAUSE_RULE = {
 VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # aenv.volumes.store.NAME
 
 
+# An absolute path other than `/`, without NUL, surrogates or components `.`/`..` (nor others
+# starting with `..`): declared in the JSON schema and checked with the same expression.
+_COMPONENT = r"[^/\x00.\ud800-\udfff][^/\x00\ud800-\udfff]*"
+MOUNT_PATH = rf"^(/({_COMPONENT}|\.{_COMPONENT}))+/?$"
+
+
 def _mount_path(value: str) -> str:
-    parts = value.split("/")
-    if not value.startswith("/") or value.rstrip("/") == "" or ".." in parts or "\0" in value:
-        raise ValueError("must be an absolute path other than / without '..'")
-    return "/" + "/".join(p for p in parts if p not in ("", "."))
+    if not re.fullmatch(MOUNT_PATH, value):
+        raise ValueError("must be an absolute path other than / without '.' or '..' components")
+    return value.rstrip("/")
 
 
 class VolumeMount(Body):
     """A volume (by name) and where the sandbox sees it."""
 
     name: StrictStr = Field(pattern=VOLUME_NAME)
-    path: Annotated[StrictStr, Field(min_length=2, max_length=1024), AfterValidator(_mount_path)]
-
-
-def _distinct_paths(mounts: list[VolumeMount] | None) -> list[VolumeMount] | None:
-    if mounts and len({m.path for m in mounts}) != len(mounts):
-        raise ValueError("two volume mounts have the same path")
-    return mounts
+    path: Annotated[
+        StrictStr,
+        Field(max_length=1024, json_schema_extra={"pattern": MOUNT_PATH}),
+        AfterValidator(_mount_path),
+    ]
 
 
 class NewVolume(Body):
@@ -237,9 +240,9 @@ class NewSandbox(Body):
     env_vars: StrMap | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
     iam: dict[str, Any] | None = None
-    volume_mounts: Annotated[
-        list[VolumeMount] | None, Field(max_length=16), AfterValidator(_distinct_paths)
-    ] = Field(default=None, alias="volumeMounts")
+    volume_mounts: Annotated[list[VolumeMount] | None, Field(max_length=16)] = Field(
+        default=None, alias="volumeMounts"
+    )
 
 
 class NewSandboxV1(NewSandbox):

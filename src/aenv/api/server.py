@@ -395,7 +395,8 @@ class NodeAPI:
             network=network,
             metadata=dict(body.metadata or {}),
             env_vars=dict(body.env_vars or {}),
-            volume_mounts=[m.model_dump() for m in body.volume_mounts or ()],
+            # One volume per path (the SDK's mapping has no duplicates): the last one named wins.
+            volume_mounts=list({m.path: m.model_dump() for m in body.volume_mounts or ()}.values()),
         )
         return self._created(await self.node.create(request))
 

@@ -77,6 +77,6 @@ def apply(server: str, mounts: list[VolumeMount]) -> None:
             log.warning(
                 "cannot detach the stale volume mount %s: %s", target, os.strerror(ctypes.get_errno())
             )
-    for mount in mounts:
+    for mount in sorted(mounts, key=lambda m: m.path.count("/")):  # a mount inside another one comes after it
         _mount(server, mount)
         log.info("volume %s mounted on %s", mount.export, mount.path)
