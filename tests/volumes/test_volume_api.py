@@ -164,7 +164,7 @@ def test_volume_mounts_are_validated() -> None:
     def mounts(value: object) -> None:
         schemas.NewSandbox.model_validate({"templateID": "base", "volumeMounts": value})
 
-    mounts([{"name": "data", "path": "/mnt/data/"}])
+    mounts([{"name": "data", "path": "/mnt/data/"}, {"name": "x", "path": "/home/user/.cache/a.b-c_d"}])
     for bad in (
         [{"name": "data", "path": "relative"}],
         [{"name": "data", "path": "/"}],
@@ -172,6 +172,8 @@ def test_volume_mounts_are_validated() -> None:
         [{"name": "bad name", "path": "/mnt"}],
         [{"name": "data", "path": "/mnt/./x"}],
         [{"name": "data", "path": "/mnt/\udc00"}],
+        [{"name": "data", "path": "/mnt/x y"}],
+        [{"name": "data", "path": "/mnt/..x"}],
         [{"name": "data"}],
     ):
         with pytest.raises(ValueError):

@@ -187,16 +187,9 @@ FILESYSTEM_PAUSE_RULE = {
 VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # aenv.volumes.store.NAME
 
 
-# An absolute path other than `/`, without NUL, surrogates or components `.`/`..` (nor others
-# starting with `..`): declared in the JSON schema and checked with the same expression.
-_COMPONENT = r"[^/\x00.\ud800-\udfff][^/\x00\ud800-\udfff]*"
-MOUNT_PATH = rf"^(/({_COMPONENT}|\.{_COMPONENT}))+/?$"
-
-
-def _mount_path(value: str) -> str:
-    if not re.fullmatch(MOUNT_PATH, value):
-        raise ValueError("must be an absolute path other than / without '.' or '..' components")
-    return value.rstrip("/")
+# An absolute path other than `/` whose components are portable names (letters, digits and
+# `._@%+=:,~-`, not starting with `..`).
+MOUNT_PATH = r"^(/\.?[A-Za-z0-9_@%+=:,~-][A-Za-z0-9._@%+=:,~-]*)+/?$"
 
 
 class VolumeMount(Body):
@@ -204,9 +197,7 @@ class VolumeMount(Body):
 
     name: StrictStr = Field(pattern=VOLUME_NAME)
     path: Annotated[
-        StrictStr,
-        Field(max_length=1024, json_schema_extra={"pattern": MOUNT_PATH}),
-        AfterValidator(_mount_path),
+        StrictStr, Field(max_length=1024, pattern=MOUNT_PATH), AfterValidator(lambda p: p.rstrip("/"))
     ]
 
 
