@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from ..config import Settings
+from ..volumes.store import NAME_PATTERN
 
 StrMap = dict[StrictStr, StrictStr]
 
@@ -184,7 +185,7 @@ FILESYSTEM_PAUSE_RULE = {
 }
 
 
-VOLUME_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # aenv.volumes.store.NAME
+VOLUME_NAME = NAME_PATTERN
 
 
 # An absolute path other than `/` whose components are portable names (letters, digits and

@@ -21,7 +21,8 @@ from ..clock import rfc3339
 from ..orchestrator.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from ..orchestrator.service import new_sandbox_id
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+NAME = re.compile(NAME_PATTERN)
 VOLUME_ID = re.compile(r"^vol[a-z0-9]{20}$")
 RECORD = "volume.json"
 
