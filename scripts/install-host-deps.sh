@@ -22,6 +22,8 @@ PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
     cpio e2fsprogs zstd iproute2 nftables util-linux python3-venv
 )
+# Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server).
+PACKAGES+=(diod)
 # Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.
 PACKAGES+=(redis-server)
 if ! $runtime_only; then
