@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Install what an aenv node needs on Debian 12 (bookworm) or 13 (trixie), as root.
 # Idempotent: when every package is present and QEMU is >= 10.0 it exits without touching apt.
+# --runtime: only what a deployed node runs with (deploy/install.sh, the server image), without
+# the packages the test suite alone needs.
 set -euo pipefail
+
+runtime_only=false
+case "${1:-}" in
+    --runtime) runtime_only=true ;;
+    "") ;;
+    *) echo "usage: $0 [--runtime]" >&2; exit 2 ;;
+esac
 
 MIN_QEMU_MAJOR=10
 # QEMU comes from bookworm-backports on Debian 12 (bookworm's 7.2 cannot share memory images).
@@ -13,14 +22,18 @@ PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
     cpio e2fsprogs zstd iproute2 nftables util-linux python3-venv
 )
-# Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
-# (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.
-PACKAGES+=(docker-registry skopeo apache2-utils openssl)
+# Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server).
+PACKAGES+=(diod)
 # Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.
 PACKAGES+=(redis-server)
-# The test suite drives the official e2b npm SDK too: Node.js and npm, unless already installed.
-if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-    PACKAGES+=(nodejs npm)
+if ! $runtime_only; then
+    # Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
+    # (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.
+    PACKAGES+=(docker-registry skopeo apache2-utils openssl)
+    # The test suite drives the official e2b npm SDK too: Node.js and npm, unless already installed.
+    if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+        PACKAGES+=(nodejs npm)
+    fi
 fi
 
 log() { echo "install-host-deps: $*" >&2; }

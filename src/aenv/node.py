@@ -40,6 +40,9 @@ from .storage.open import Storage, open_storage
 from .vmm import confine
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
+from .volumes.mounts import SandboxVolumes
+from .volumes.server import VolumeServers
+from .volumes.store import VolumeStore
 
 log = logging.getLogger("aenv.node")
 
@@ -118,7 +121,10 @@ class Node:
         )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
-        self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))
+        volume_store = VolumeStore(home / "volumes")
+        volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root"))
+        self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"), volumes)
+        volume_store.in_use = self.orchestrator.volume_users
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
         template = await self._base_template(engine, settings)
@@ -128,7 +134,9 @@ class Node:
         for manifest in repository.list("template"):
             await engine.pool.set_target(manifest.id, settings.warm_pool_size)
         service = LocalNode(self.orchestrator, self.housekeeper, node_id(home))
-        self.api = NodeAPI(service, domain=self._domain(), limits=schemas.limits(settings))
+        self.api = NodeAPI(
+            service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store
+        )
         self.orchestrator.on_stopped = self.api.proxy.release
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.

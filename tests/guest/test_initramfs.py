@@ -31,6 +31,8 @@ def test_dependencies_resolved_from_modules_dep(built: tuple[kernel.Kernel, Path
     assert names.index("jbd2") < names.index("ext4")
     assert names.index("mbcache") < names.index("ext4")
     assert any(n.startswith("crc32c") for n in names[: names.index("ext4")])
+    # volumes: 9P over TCP, after the netfs/fscache layers 9p needs
+    assert names.index("9pnet") < names.index("9pnet_fd") and names.index("netfs") < names.index("9p")
 
 
 def test_archive_contents(built: tuple[kernel.Kernel, Path]) -> None:

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from .. import __version__
-from . import schemas, templates
+from . import schemas, templates, volumes
 
 Route = tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
 
@@ -33,6 +33,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "update_network": schemas.NetworkUpdate,
 }
 BODIES.update(templates.BODIES)
+BODIES.update(volumes.BODIES)
 SUCCESS = {
     "create_v1": "201",
     "create_v2": "201",
@@ -49,6 +50,7 @@ SUCCESS = {
     "delete_template": "204",
 }
 SUCCESS.update(templates.SUCCESS)
+SUCCESS.update(volumes.SUCCESS)
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["code", "message"],
@@ -77,7 +79,14 @@ def _operation(method: str, path: str, handler: Callable[..., Any], shared: bool
         model = BODIES[name]
         operation["requestBody"] = {
             "required": name
-            in ("create_v1", "create_v2", "set_timeout", "update_network", *templates.BODIES),
+            in (
+                "create_v1",
+                "create_v2",
+                "set_timeout",
+                "update_network",
+                *templates.BODIES,
+                *volumes.BODIES,
+            ),
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }
     return operation
@@ -107,6 +116,7 @@ QUERY_PARAMETERS: dict[str, list[dict[str, Any]]] = {
         }
     ],
 }
+QUERY_PARAMETERS.update(volumes.QUERY_PARAMETERS)
 
 
 def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
@@ -127,7 +137,9 @@ def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
         parameters += QUERY_PARAMETERS.get(handler.__name__, [])
         if parameters:
             operation["parameters"] = parameters
-        if path not in ("/health", "/metrics", "/openapi.json"):
+        if path.startswith(volumes.CONTENT_PREFIX):
+            operation["security"] = [{"VolumeToken": []}]
+        elif path not in ("/health", "/metrics", "/openapi.json"):
             operation["security"] = [{"ApiKeyAuth": []}]
         paths.setdefault(path, {})[method.lower()] = operation
     components: dict[str, Any] = {"Error": ERROR_SCHEMA}
@@ -142,6 +154,9 @@ def document(routes: list[Route], limits: dict[str, int]) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"}},
+            "securitySchemes": {
+                "ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+                "VolumeToken": {"type": "http", "scheme": "bearer", "description": "the volume's token"},
+            },
         },
     }

@@ -2,7 +2,7 @@
 
 Field names are the E2B wire names (camelCase, except `allow_internet_access`). Every field the
 official SDKs send is accepted, including those this node stores without acting on (`mcp`,
-`iam`, `volumeMounts`), so SDK calls never fail on them.
+`iam`), so SDK calls never fail on them.
 
 Every constraint is checked here and declared in the models' JSON schemas, so the OpenAPI
 document states what the node accepts. Bounds that are node settings (`max_timeout`,
@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from ..config import Settings
+from ..volumes.store import NAME_PATTERN
 
 StrMap = dict[StrictStr, StrictStr]
 
@@ -184,6 +185,37 @@ FILESYSTEM_PAUSE_RULE = {
 }
 
 
+VOLUME_NAME = NAME_PATTERN
+
+
+# An absolute path other than `/` whose components are portable names (letters, digits and
+# `._@%+=:,~-`, not starting with `..`).
+MOUNT_PATH = r"^(/\.?[A-Za-z0-9_@%+=:,~-][A-Za-z0-9._@%+=:,~-]*)+/?$"
+
+
+class VolumeMount(Body):
+    """A volume (by name) and where the sandbox sees it."""
+
+    name: StrictStr = Field(pattern=VOLUME_NAME)
+    path: Annotated[
+        StrictStr, Field(max_length=1024, pattern=MOUNT_PATH), AfterValidator(lambda p: p.rstrip("/"))
+    ]
+
+
+class NewVolume(Body):
+    """`POST /volumes`."""
+
+    name: StrictStr = Field(pattern=VOLUME_NAME)
+
+
+class VolumeMetadata(Body):
+    """`PATCH /volumecontent/{volumeID}/path`: owner and mode to set (unset ones are kept)."""
+
+    uid: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
+    gid: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
+    mode: Annotated[StrictInt, Field(ge=0, le=0o7777)] | None = None
+
+
 class NewSandbox(Body):
     """`POST /v2/sandboxes`: every v2 sandbox is secured, so it has no `secure` field."""
 
@@ -200,7 +232,9 @@ class NewSandbox(Body):
     env_vars: StrMap | None = Field(default=None, alias="envVars")
     mcp: dict[str, Any] | None = None
     iam: dict[str, Any] | None = None
-    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+    volume_mounts: Annotated[list[VolumeMount] | None, Field(max_length=16)] = Field(
+        default=None, alias="volumeMounts"
+    )
 
 
 class NewSandboxV1(NewSandbox):

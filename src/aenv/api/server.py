@@ -42,7 +42,8 @@ from ..orchestrator.errors import (
 from ..orchestrator.interface import CreateRequest, ListQuery, NodeService
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
-from . import openapi, schemas, templates, views
+from ..volumes.store import VolumeStore
+from . import openapi, schemas, templates, views, volumes
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 
 log = logging.getLogger(__name__)
@@ -240,8 +241,11 @@ def list_query(request: web.Request) -> ListQuery:
 class NodeAPI:
     """Request handlers; the node service does the work, this maps it to the wire."""
 
-    def __init__(self, node: NodeService, *, domain: str, limits: dict[str, int]):
+    def __init__(
+        self, node: NodeService, *, domain: str, limits: dict[str, int], volumes: VolumeStore | None = None
+    ):
         self.node = node
+        self.volumes = volumes  # the node's volumes; None: no volume routes
         self.domain = domain
         self.limits = limits  # schemas.limits(settings): what request bodies are checked against
         self.proxy = SandboxProxy(self, domain.split(":", 1)[0] or None)
@@ -318,6 +322,7 @@ class NodeAPI:
             ("GET", "/nodes", self.list_nodes),
             ("GET", "/nodes/{nodeID}", self.get_node),
             *templates.routes(self.node, parse),
+            *(volumes.routes(self.volumes, parse) if self.volumes is not None else ()),
         ]
 
     # -- proxy resolver --------------------------------------------------------------------
@@ -400,6 +405,8 @@ class NodeAPI:
             network=network,
             metadata=dict(body.metadata or {}),
             env_vars=dict(body.env_vars or {}),
+            # One volume per path (the SDK's mapping has no duplicates): the last one named wins.
+            volume_mounts=list({m.path: m.model_dump() for m in body.volume_mounts or ()}.values()),
         )
         return self._created(await self.node.create(request))
 

@@ -44,7 +44,7 @@ def listed(record: SandboxRecord) -> dict[str, Any]:
         "metadata": record.metadata,
         "state": api_state(record.state),
         "envdVersion": record.envd_version,
-        "volumeMounts": [],
+        "volumeMounts": [dict(m) for m in record.volume_mounts],
         "envdUnresponsiveAtPause": False,
     }
 

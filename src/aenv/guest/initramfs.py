@@ -34,6 +34,9 @@ MODULES = (
     "virtio_blk",
     "virtio_balloon",
     "ext4",
+    # Volumes: 9P over TCP from the node's server in the sandbox's namespace (aenv.volumes.server).
+    "9p",
+    "9pnet_fd",
 )
 BUSYBOX = Path("/bin/busybox")
 PRODUCT = "initramfs.cpio"

@@ -6,7 +6,8 @@ Two tables, both named `aenv` (family inet):
   is checked (not only new connections), so a policy change cuts connections it no longer
   allows at once. Order, as in the reference: always-denied → allowOut → denyOut → base.
   The namespace itself accepts from the guest only replies to connections the node opened
-  (the node talks to the guest through sockets it creates inside the namespace).
+  (the node talks to the guest through sockets it creates inside the namespace) and
+  connections to the sandbox's volume server (`VOLUME_PORT`, served only where it has volumes).
 * in the root namespace, once per host: masquerade of the slot block towards the outside,
   and a wall between slots and the host (no new connections from a slot to any host
   address, no forwarding from one slot to another), whatever the host's addresses are.
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from pyroute2 import AsyncIPRoute
 
 from .slots import HOST_VETH_PREFIX, NAMESPACE_VETH, SLOT_BLOCK
+
+VOLUME_PORT = 564  # the sandbox's volume server (aenv.volumes.server), at the namespace's tap address
 
 TABLE = "aenv"
 TAP_NAME = "tap0"
@@ -137,6 +140,7 @@ def namespace_ruleset(policy: EgressPolicy, host_addresses: Iterable[str] = ()) 
             "    chain input {",
             "        type filter hook input priority filter; policy accept;",
             f'        iifname "{TAP_NAME}" ct state established,related accept',
+            f'        iifname "{TAP_NAME}" tcp dport {VOLUME_PORT} accept',
             f'        iifname "{TAP_NAME}" drop',
             "    }",
             "    chain forward {",

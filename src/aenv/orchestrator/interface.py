@@ -33,6 +33,7 @@ class CreateRequest:
     network: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)  # [{"name", "path"}]
 
 
 @dataclass(frozen=True)

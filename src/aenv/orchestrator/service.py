@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from http.client import HTTPException
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import clock
 from ..agent.envd import ENVD_VERSION
@@ -41,12 +41,17 @@ from .metrics import MetricsArchive, between, merge, sandbox_metric
 from .states import Op, State, Transition, transition
 from .store import SandboxRecord, SandboxStore
 
+if TYPE_CHECKING:
+    from ..volumes.mounts import SandboxVolumes
+
 log = logging.getLogger(__name__)
 
 DISK_SIZE_MB = 4096
 AUTO_RESUME_MIN_TIMEOUT = 300
 # The cluster-wide metrics view asks each guest for this much of its history, not all of it.
 RECENT_SECONDS = 60
+# Metadata of a snapshot taken while its sandbox had volumes mounted (its guest holds the mounts).
+VOLUMES_MARK = "aenv.volumes"
 LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with the reason)
 # What the engine raises when an operation fails for a reason outside this process's code: QEMU,
 # QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
@@ -104,10 +109,17 @@ class Sandbox:
 class Orchestrator:
     """Owns every sandbox on this node."""
 
-    def __init__(self, settings: Settings, engine: SnapshotEngine, store: SandboxStore):
+    def __init__(
+        self,
+        settings: Settings,
+        engine: SnapshotEngine,
+        store: SandboxStore,
+        volumes: SandboxVolumes | None = None,
+    ):
         self.settings = settings
         self.engine = engine
         self.store = store
+        self.volumes = volumes  # None: the node has no volumes (creates that mount one get 400)
         self.sandboxes: dict[str, Sandbox] = {}
         self.counters = {"create_successes": 0, "create_failures": 0, "lost": 0}
         self.admission = Admission(
@@ -237,6 +249,8 @@ class Orchestrator:
                         await self._kill_locked(sandbox)
                 except SandboxError as exc:
                     log.error("stopping sandbox %s failed: %s", sandbox.id, exc.message)
+        if self.volumes is not None:
+            await self.volumes.close()
         self.store.close()
 
     # -- lookups ---------------------------------------------------------------------------
@@ -248,6 +262,12 @@ class Orchestrator:
                 raise NotFound(f"sandbox {sandbox_id} was lost: {reason}")
             raise NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
         return sandbox
+
+    def volume_users(self, name: str) -> list[str]:
+        """The sandboxes (running or paused) that mount the volume named `name`."""
+        return [
+            s.id for s in self.sandboxes.values() if any(m["name"] == name for m in s.record.volume_mounts)
+        ]
 
     def resolve_template(self, reference: str) -> SnapshotManifest:
         """A template or snapshot by id or alias; `namespace/` prefixes and `:tag` suffixes are ignored."""
@@ -263,6 +283,7 @@ class Orchestrator:
         policy = egress_policy(request.allow_internet, request.network)
         timeout = self.settings.default_timeout if request.timeout is None else request.timeout
         self._check_timeout(timeout)
+        self._check_volumes(request.volume_mounts)
         # A warm VM of the template has its network already.
         networks = 0 if self.engine.pool.ready(manifest.id) else 1
         self.admission.check_start("create a sandbox", manifest.machine.memory_mib, networks)
@@ -292,6 +313,7 @@ class Orchestrator:
             network=request.network,
             metadata=request.metadata,
             env_vars=request.env_vars,
+            volume_mounts=request.volume_mounts,
         )
         sandbox = Sandbox(record)
         self.sandboxes[record.sandbox_id] = sandbox
@@ -303,6 +325,11 @@ class Orchestrator:
                     self._attach(
                         sandbox, await self.engine.start(manifest.id, record.sandbox_id, init, policy)
                     )
+                    try:
+                        await self._mount_volumes(sandbox, stale=VOLUMES_MARK in manifest.metadata)
+                    except BaseException:
+                        await self._kill_vm(sandbox)
+                        raise
                     self._set_end(sandbox, timeout)
             except Exception as exc:  # any failure to start: the sandbox never existed
                 self.counters["create_failures"] += 1
@@ -311,6 +338,37 @@ class Orchestrator:
                 raise OperationFailed(f"creating the sandbox failed: {exc}") from exc
         self.counters["create_successes"] += 1
         return sandbox
+
+    def _check_volumes(self, mounts: list[dict[str, str]]) -> None:
+        """400 for a mount of a volume that does not exist: never started without it."""
+        if not mounts:
+            return
+        if self.volumes is None:
+            raise InvalidRequest("this node has no volumes")
+        self.volumes.resolve(mounts)
+
+    async def _mount_volumes(self, sandbox: Sandbox, *, stale: bool = False) -> None:
+        """Serve the sandbox's volumes into its namespace and mount them in its running guest.
+
+        `stale`: its guest comes from a snapshot of a sandbox with volumes, whose mounts it holds
+        and must let go of even if it mounts none itself.
+        """
+        wanted = sandbox.record.volume_mounts
+        if (wanted or stale) and self.volumes is not None and sandbox.vm is not None:
+            await self.volumes.attach(sandbox.vm, wanted)
+
+    async def _unmount_volumes(self, sandbox: Sandbox) -> None:
+        """The sandbox's VM stopped (pause, kill): its volume server goes too."""
+        if self.volumes is not None:
+            await self.volumes.detach(sandbox.id)
+
+    async def _kill_vm(self, sandbox: Sandbox) -> None:
+        """End a VM that started but cannot be handed out (its volumes failed); the caller forgets it."""
+        vm, sandbox.vm = sandbox.vm, None
+        await self._unmount_volumes(sandbox)
+        if vm is not None:
+            with contextlib.suppress(*ENGINE_FAILURES):
+                await self.engine.kill(vm)
 
     def _check_timeout(self, timeout: int) -> None:
         if timeout > self.settings.max_timeout:
@@ -386,6 +444,7 @@ class Orchestrator:
                 raise OperationFailed(f"pausing sandbox {sandbox.id} failed: {exc}") from exc
             sandbox.record.paused_at = rfc3339(clock.now())
             self._stopped(sandbox)
+            await self._unmount_volumes(sandbox)
 
     async def connect(self, sandbox: Sandbox, timeout: int | None, *, memory: bool = True) -> bool:
         """Resume a paused sandbox or extend a running one's TTL; returns whether it resumed.
@@ -430,7 +489,26 @@ class Orchestrator:
             except ENGINE_FAILURES as exc:
                 log.exception("resuming sandbox %s failed", record.sandbox_id)
                 raise OperationFailed(f"resuming sandbox {record.sandbox_id} failed: {exc}") from exc
+            try:
+                await self._mount_volumes(sandbox)
+            except ENGINE_FAILURES as exc:  # paused again, so that the state reported is the truth
+                log.exception("mounting the volumes of resumed sandbox %s failed", record.sandbox_id)
+                await self._pause_again(sandbox)
+                raise OperationFailed(
+                    f"mounting the volumes of sandbox {record.sandbox_id} failed: {exc}"
+                ) from exc
             self._set_end(sandbox, timeout)
+
+    async def _pause_again(self, sandbox: Sandbox) -> None:
+        """Undo a resume whose volumes could not be mounted (the guest has not run user work)."""
+        assert sandbox.vm is not None
+        try:
+            await self.engine.pause(sandbox.vm)
+        except ENGINE_FAILURES:
+            log.exception("pausing sandbox %s again failed: killing its VM", sandbox.id)
+            await self.engine.kill(sandbox.vm)
+        self._stopped(sandbox)
+        await self._unmount_volumes(sandbox)
 
     def _extend(self, sandbox: Sandbox, timeout: int) -> None:
         """Move the end time later, never earlier (connect and refreshes)."""
@@ -463,6 +541,7 @@ class Orchestrator:
                 self.on_stopped(sandbox.id)
                 sandbox.vm = None
                 self._forget(sandbox)
+                await self._unmount_volumes(sandbox)
 
     async def snapshot(self, sandbox: Sandbox, name: str | None, *, memory: bool = True) -> SnapshotManifest:
         """Snapshot the running sandbox; without `memory` only its disk (sandboxes from it boot)."""
@@ -470,6 +549,8 @@ class Orchestrator:
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
             metadata = {"sandbox_id": sandbox.id}
+            if sandbox.record.volume_mounts:
+                metadata[VOLUMES_MARK] = "mounted"
             try:
                 return await self.engine.snapshot(sandbox.vm, alias=name, metadata=metadata, memory=memory)
             except InvalidName as exc:
@@ -496,6 +577,16 @@ class Orchestrator:
                 )
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"fork of sandbox {sandbox.id} failed: {exc}") from exc
+            try:
+                for child, vm in zip(children, vms, strict=True):
+                    child.vm = vm
+                    await self._mount_volumes(child)
+            except ENGINE_FAILURES as exc:
+                for child in children:
+                    await self._kill_vm(child)
+                raise OperationFailed(
+                    f"mounting the volumes of the forks of {sandbox.id} failed: {exc}"
+                ) from exc
             for child, vm in zip(children, vms, strict=True):
                 self._attach(child, vm)
                 self.sandboxes[child.id] = child
@@ -519,6 +610,7 @@ class Orchestrator:
                 "metadata": dict(source.metadata),
                 "env_vars": dict(source.env_vars),
                 "network": dict(source.network),
+                "volume_mounts": [dict(m) for m in source.volume_mounts],
                 "paused_at": None,
             }
         )

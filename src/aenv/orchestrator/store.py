@@ -38,6 +38,7 @@ class SandboxRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     paused_at: str | None = None
     auto_pause_memory: bool = True  # false: a timeout's pause keeps only the disk
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)  # E2B's [{"name", "path"}]
 
     def __post_init__(self) -> None:
         self.state = State(self.state)  # rows store the state's plain string

@@ -142,8 +142,10 @@ class EnvdLink:
             await asyncio.sleep(poll)
         return time.monotonic() - started
 
-    async def init(self, payload: dict[str, Any], timeout: float = 5.0) -> None:
-        """POST /init: env vars, access token, default user and workdir, wall clock, entropy."""
+    async def init(self, payload: dict[str, Any], timeout: float = 5.0) -> bytes:
+        """POST /init: env vars, access token, default user and workdir, wall clock, entropy.
+
+        Returns envd's answer (empty, but for aenv's own fields such as `volumeMounts`)."""
         headers = self._headers({"Content-Type": "application/json"})
         deadline = time.monotonic() + timeout
         while True:
@@ -164,6 +166,7 @@ class EnvdLink:
                 await asyncio.sleep(INIT_RETRY_INTERVAL)
         if status >= 300:
             raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
+        return answer
 
     async def metrics_history(self, start: int | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
         """The resource samples envd kept since `start` (Unix seconds; None: all), oldest first."""

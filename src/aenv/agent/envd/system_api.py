@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -12,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import ENVD_VERSION
+from . import ENVD_VERSION, volumes
 from .connect import ConnectError, loads
 from .httperr import UNAUTHORIZED, json_error
 from .inputs import c_string, path_string, string_map, text
@@ -107,6 +108,7 @@ class SystemAPI:
                 path_string(workdir, "defaultWorkdir")
             timestamp = parse_rfc3339_ns(text(body, "timestamp")) if body.get("timestamp") else None
             entropy = base64.b64decode(text(body, "entropy"), validate=True) if body.get("entropy") else None
+            mounts = volumes.parse(body["volumeMounts"]) if "volumeMounts" in body else None
         except ConnectError as e:
             return json_error(400, e.message)
         except (ValueError, binascii.Error) as e:
@@ -115,6 +117,13 @@ class SystemAPI:
             sync_clock(timestamp)
         if entropy:
             add_entropy(entropy)
+        if mounts is not None:
+            if self.state.host_peer is None:
+                return json_error(400, "volumeMounts need the node's address (envd runs without --host-peer)")
+            try:
+                await asyncio.to_thread(volumes.apply, self.state.host_peer, mounts)
+            except OSError as e:
+                return json_error(500, str(e))
         self.state.env_vars.update(env_vars)
         if token:
             self.state.access_token = token
@@ -123,6 +132,8 @@ class SystemAPI:
         if workdir:
             self.state.default_workdir = workdir
         self.state.save()
+        if mounts is not None:  # the node checks that this guest mounted them (an older envd ignores them)
+            return web.json_response({"volumeMounts": [m.path for m in mounts]})
         return web.Response(status=204)
 
     async def envs(self, request: web.Request) -> web.Response:
