@@ -156,6 +156,7 @@ def cluster(
                 warm_pool_size=1,
                 evict_interval=1,
                 shutdown_action="kill",  # what a test leaves running is not paused at teardown
+                max_fork_count=4,  # fewer idle networks to make (and to clean up after the crash)
                 scheduler_url=scheduler,
                 cluster_secret=secret,
                 heartbeat_interval=HEARTBEAT,
