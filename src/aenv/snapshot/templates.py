@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from ..guest.artifacts import GuestArtifacts
 from ..storage.layers import new_layer_id
-from ..template.runner import StepRunner
+from ..template.runner import LOGIN_SHELL, LineLog, Log, StepRunner
 from ..template.stepcache import CachedStep, StepCache
 from ..template.steps import BuildState, Step, step_key
 from ..vmm import migration
@@ -40,6 +41,10 @@ from .repository import file_digest
 
 log = logging.getLogger(__name__)
 
+DEFAULT_READY_CMD = "sleep 20"  # E2B's ready command for a start command given without one
+READY_RETRY_INTERVAL = 2.0  # seconds between ready command attempts, as E2B
+READY_TIMEOUT = 300.0  # seconds the ready command has to succeed, as E2B
+START_SCRIPT = 'if [ -x /bin/bash ]; then /bin/bash -l -c "$1"; else /bin/sh -l -c "$1"; fi; echo $? > "$2"'
 StageRun = Callable[[StepRunner, BuildState], Awaitable[BuildState]]
 
 
@@ -180,7 +185,7 @@ class TemplateBuilder:
             )  # fmt: skip
             say("finalize", "starting the template" if plan.start_cmd else "saving the template")
             try:
-                await self._prepare(guest, runtime, 300.0)
+                await self._prepare(guest, runtime, READY_TIMEOUT, lambda line: say("finalize", line))
             except Exception as exc:
                 raise StageFailed("finalize", str(exc)) from exc
             await self._save(guest, staging)
@@ -232,10 +237,12 @@ class TemplateBuilder:
             initramfs_digest=initramfs, tools_digest=tools, cmdline=boot.cmdline,
         )  # fmt: skip
 
-    async def _prepare(self, guest: GuestVM, runtime: RuntimeContext, timeout: float) -> None:
+    async def _prepare(
+        self, guest: GuestVM, runtime: RuntimeContext, timeout: float, log: Log | None = None
+    ) -> None:
         init = GuestInit(runtime.env_vars, default_user=runtime.user, default_workdir=runtime.workdir)
         await guest.envd.init(init.payload())
-        await start_runtime(guest.envd, runtime, timeout)
+        await start_runtime(guest.envd, runtime, timeout, log, build=True)
 
     def _commit(
         self,
@@ -274,18 +281,63 @@ class TemplateBuilder:
         return manifest
 
 
-async def start_runtime(envd: EnvdLink, runtime: RuntimeContext, timeout: float) -> None:
-    """Start the template's start command in the background and wait until its ready check passes
-    (after a template's boot, and after a sandbox's boot from its disk)."""
+async def start_runtime(
+    envd: EnvdLink, runtime: RuntimeContext, timeout: float, log: Log | None = None, *, build: bool = False
+) -> None:
+    """Start the template's start command in the background and poll its ready command until it
+    succeeds (after a template's boot, and after a sandbox's boot from its disk).
+
+    Both run as E2B runs them: with ``bash -l -c`` (``sh -l -c`` in images without bash) as the
+    template's user in its workdir. The ready command is retried every 2 s for up to `timeout`
+    seconds; a start command that fails before then fails at once, naming its exit code. In a
+    `build`, a start command without a ready command waits 20 s (E2B's default ready command).
+    `log` gets the ready command's output and each attempt's outcome.
+    """
     user = runtime.user or "root"
+    say = log or (lambda line: None)
+    ready_cmd = runtime.ready_cmd or (DEFAULT_READY_CMD if build and runtime.start_cmd else None)
+    status = f"/tmp/.aenv-start-{secrets.token_hex(6)}.status"
     if runtime.start_cmd:
-        await envd.run(runtime.start_cmd, user=user, cwd=runtime.workdir, background=True)
-    if runtime.ready_cmd:
-        deadline = time.monotonic() + timeout
-        while await envd.run(runtime.ready_cmd, user=user, cwd=runtime.workdir, timeout=30) != 0:
-            if time.monotonic() > deadline:
-                raise EngineError(f"ready check {runtime.ready_cmd!r} did not pass within {timeout:.0f} s")
-            await asyncio.sleep(0.5)
+        say(f"[start cmd]: {runtime.start_cmd}")
+        await envd.execute(
+            start_command(runtime.start_cmd, status), user=user, cwd=runtime.workdir, background=True
+        )
+    if not ready_cmd:
+        return
+    say(f"[ready cmd]: {ready_cmd}")
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = LineLog(say)
+        left = max(deadline - time.monotonic(), 1.0)
+        code = await envd.execute(
+            [*LOGIN_SHELL, ready_cmd], user=user, cwd=runtime.workdir, timeout=left, on_output=lines.feed
+        )
+        lines.flush()
+        if code == 0:
+            say("template is ready")
+            return
+        say(f"template is not ready: the ready command exited with code {code}")
+        if runtime.start_cmd:
+            await _check_started(envd, runtime.start_cmd, status)
+        if time.monotonic() + READY_RETRY_INTERVAL > deadline:
+            raise EngineError(
+                f"ready command {ready_cmd!r} did not succeed within {timeout:.0f} s (last exit code {code})"
+            )
+        await asyncio.sleep(READY_RETRY_INTERVAL)
+
+
+def start_command(command: str, status: str) -> list[str]:
+    """The start command through a login shell, its exit code written to `status` when it ends."""
+    return ["/bin/sh", "-c", START_SCRIPT, "sh", command, status]
+
+
+async def _check_started(envd: EnvdLink, command: str, status: str) -> None:
+    """Fail if the start command has ended with an error (E2B fails the build then)."""
+    captured: list[bytes] = []
+    await envd.execute(["/bin/sh", "-c", f"cat {status} 2>/dev/null"], timeout=30, on_output=captured.append)
+    text = b"".join(captured).decode(errors="replace").strip()
+    if text.isdigit() and text != "0":
+        raise EngineError(f"start command {command!r} exited with code {text} before the template was ready")
 
 
 def stage_key(parent: str, stage: Stage) -> str:
