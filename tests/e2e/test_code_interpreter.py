@@ -46,7 +46,7 @@ def interpreter(node: NodeServer) -> Iterator[str]:
 
 @pytest.fixture
 def sandbox(interpreter: str) -> Iterator[Sandbox]:
-    sandbox = Sandbox.create(timeout=300)
+    sandbox = Sandbox.create(timeout=300, envs={"FROM_CREATE": "yes"})
     try:
         yield sandbox
     finally:
@@ -59,7 +59,7 @@ def test_run_code_results_streams_errors_and_display_data(sandbox: Sandbox) -> N
     out: list[str] = []
     err: list[str] = []
     execution = sandbox.run_code(
-        "import subprocess, sys\nprint('out')\nprint('err', file=sys.stderr)\n"
+        "import os, subprocess, sys\nprint('out')\nprint('err', file=sys.stderr)\n"
         "subprocess.run(['echo', 'from-a-child'])\nx",
         on_stdout=lambda m: out.append(m.line),
         on_stderr=lambda m: err.append(m.line),
@@ -83,7 +83,8 @@ def test_run_code_results_streams_errors_and_display_data(sandbox: Sandbox) -> N
     assert main.is_main_result and main.html == "<b>picture</b>"
     assert base64.b64decode(main.png or "") == PNG
 
-    assert sandbox.run_code("import os; os.environ['GREETING']", envs={"GREETING": "hi"}).text == "'hi'"
+    envs = sandbox.run_code("os.environ['GREETING'], os.environ['FROM_CREATE']", envs={"GREETING": "hi"})
+    assert envs.text == "('hi', 'yes')"  # per run, and the sandbox's own
     assert sandbox.run_code("import asyncio\nawait asyncio.sleep(0)\nx").text == "1"
     with pytest.raises(SandboxException, match="not available"):
         sandbox.run_code("1", language="r")

@@ -60,6 +60,8 @@ def test_cells_share_a_namespace_and_report_like_jupyter(service: str) -> None:
     printed = run(service, "import os\nprint('a' * 100000)\nos.system('echo child')")
     assert "".join(printed.logs.stdout) == "a" * 100000 + "\nchild\n"
     assert printed.text == "0"
+    escaped = run(service, "if True:\n    !echo from-the-shell\n%pip --version")  # IPython's escapes
+    assert "".join(escaped.logs.stdout).startswith("from-the-shell\npip ")
     broken = run(service, "1 +")
     assert broken.error is not None and broken.error.name == "SyntaxError"
     assert run(service, "x").text == "1"
@@ -85,7 +87,9 @@ def test_a_cell_whose_client_left_is_interrupted(service: str) -> None:
         ("GET", "/nowhere", None, 404),
     ],
 )
-def test_bad_requests_are_json_errors(service: str, method: str, path: str, body: object, status: int) -> None:
+def test_bad_requests_are_json_errors(
+    service: str, method: str, path: str, body: object, status: int
+) -> None:
     answer = httpx.request(method, f"{service}{path}", json=body)
     assert answer.status_code == status
     assert set(answer.json()) == {"code", "message"}

@@ -6,7 +6,8 @@ a JSON line per cell (``{"code", "env_vars"}``) in, the SDK's messages (``stdout
 File descriptors 1 and 2 become pipes read by the kernel itself, so output of ``print`` and of
 child processes alike streams to the client as it is written. A cell runs like a Jupyter cell:
 the value of a final expression is its main result (unless the cell ends with ``;``), top-level
-``await`` works, and a traceback names the cell's own lines. ``SIGINT`` interrupts a running cell.
+``await``, ``!command`` and ``%pip`` work, and a traceback names the cell's own lines.
+``SIGINT`` interrupts a running cell.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import json
 import linecache
 import os
 import secrets
+import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -90,6 +93,39 @@ class Capture(threading.Thread):
         self.drained.wait(timeout)
 
 
+def _parse(code: str, filename: str) -> ast.Module:
+    """The cell's syntax tree; a cell that is not Python may use IPython's shell escapes:
+    lines starting with ``!`` run in the shell, ``%pip`` runs this interpreter's pip."""
+    try:
+        tree = ast.parse(code, filename)
+    except SyntaxError:
+        shell = _shell_escapes(code)
+        if shell == code:
+            raise
+        code, tree = shell, ast.parse(shell, filename)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    return tree
+
+
+def _shell_escapes(code: str) -> str:
+    lines = []
+    for line in code.split("\n"):
+        body = line.lstrip()
+        indent = line[: len(line) - len(body)]
+        if body.startswith("!"):
+            line = f"{indent}__aenv_shell__({body[1:]!r})"
+        elif body.split(None, 1)[:1] == ["%pip"]:
+            line = f"{indent}__aenv_shell__({shlex.quote(sys.executable) + ' -m pip' + body[4:]!r})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def shell(command: str) -> None:
+    """A cell's ``!command``: its output streams like the cell's own."""
+    sys.stdout.flush()
+    subprocess.run(command, shell=True, check=False)
+
+
 def _split_tail(data: bytes, marker: bytes) -> tuple[bytes, bytes]:
     """``data`` as what can be sent now and the end that may be the start of a marker."""
     for size in range(min(len(marker) - 1, len(data)), 0, -1):
@@ -108,6 +144,7 @@ class Kernel:
             "__name__": "__main__",
             "__builtins__": __builtins__,
             "display": display.display,
+            "__aenv_shell__": shell,
         }
         sys.modules["__main__"] = types.ModuleType("__main__")
         sys.modules["__main__"].__dict__.update(self.namespace)
@@ -137,8 +174,7 @@ class Kernel:
 
     def _run(self, code: str) -> tuple[Any, bool]:
         filename = f"<cell-{self.count}>"
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        tree = ast.parse(code, filename)
+        tree = _parse(code, filename)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
         self.running = True

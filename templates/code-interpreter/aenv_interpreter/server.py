@@ -2,7 +2,8 @@
 
 - ``GET /health``: 200 once the default Python kernel is up (the template's ready check).
 - ``POST /execute`` ``{"code", "context_id", "language", "env_vars"}``: the cell's messages as
-  JSON lines (chunked), in the order the kernel sends them. A client that goes away interrupts
+  JSON lines (chunked), in the order the kernel sends them. The cell sees the sandbox's
+  environment variables (envd's ``/envs``) and ``env_vars`` over them. A client that goes away interrupts
   the cell (``SIGINT``), as the SDK's execution timeout expects.
 - ``POST /contexts`` ``{"language", "cwd"}``, ``GET /contexts``, ``POST /contexts/{id}/restart``,
   ``DELETE /contexts/{id}``: kernels, each ``{"id", "language", "cwd"}``.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from http import HTTPStatus
@@ -36,6 +38,7 @@ LANGUAGES = {"python": "python", "python3": "python"}
 DEFAULT_CWD = os.path.expanduser("~") if os.path.isdir(os.path.expanduser("~")) else "/"
 KERNEL_BOOT = "import sys; sys.path.insert(1, sys.argv[1]); from aenv_interpreter.kernel import main; main()"
 MAX_BODY = 64 << 20
+ENVD_ENVS = "http://127.0.0.1:49983/envs"
 READ_CHUNK = 1 << 20
 INTERRUPT_GRACE = 10.0  # seconds an interrupted cell has to end
 
@@ -213,6 +216,17 @@ class Kernels:
             return [kernel.describe() for kernel in self.contexts.values()]
 
 
+def sandbox_envs() -> dict[str, str]:
+    """The sandbox's environment variables (``Sandbox.create(envs=...)``), which envd was given
+    after this service started: asked for at every cell, as they may change on resume."""
+    try:
+        with urllib.request.urlopen(ENVD_ENVS, timeout=2) as answer:
+            envs = json.load(answer)
+    except (OSError, ValueError):
+        return {}  # an envd that wants an access token keeps them to itself
+    return {k: v for k, v in envs.items() if isinstance(v, str)} if isinstance(envs, dict) else {}
+
+
 def _language(language: str | None) -> str:
     name = LANGUAGES.get((language or "python").lower())
     if name is None:
@@ -299,7 +313,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, "give a context or a language, not both")
         context_id = body.get("context_id")
         kernel = self.kernels.get(context_id) if context_id else self.kernels.default(body.get("language"))
-        lines = kernel.execute({"code": code, "env_vars": env}, self.connection)
+        lines = kernel.execute({"code": code, "env_vars": {**sandbox_envs(), **env}}, self.connection)
         first = next(lines, None)  # errors before the first line are still a status
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "application/x-ndjson")
