@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,16 @@ DEFAULT_READY_CMD = "sleep 20"  # E2B's ready command for a start command given 
 READY_RETRY_INTERVAL = 2.0  # seconds between ready command attempts, as E2B
 READY_TIMEOUT = 300.0  # seconds the ready command has to succeed, as E2B
 START_SCRIPT = 'if [ -x /bin/bash ]; then /bin/bash -l -c "$1"; else /bin/sh -l -c "$1"; fi; echo $? > "$2"'
+# $1: MiB that must be free on /; grows the filesystem to its device when they are not.
+FREE_DISK_SCRIPT = """
+free() { df -Pk / | awk 'NR==2 {print int($4 / 1024)}'; }
+[ "$(free)" -ge "$1" ] && { echo "$(free) MiB free on /"; exit 0; }
+command -v resize2fs >/dev/null || { echo "growing / needs resize2fs (e2fsprogs) in the image"; exit 1; }
+device=$(awk '$2 == "/" {print $1}' /proc/mounts | tail -n 1)
+resize2fs "$device" 2>&1 | tail -n 1
+[ "$(free)" -ge "$1" ] && { echo "$(free) MiB free on / after growing it"; exit 0; }
+echo "only $(free) MiB free on / after growing it"; exit 1
+"""
 StageRun = Callable[[StepRunner, BuildState], Awaitable[BuildState]]
 
 
@@ -69,6 +80,7 @@ class StepBuild:
     ready_cmd: str | None = None
     vcpus: int | None = None
     memory_mib: int = 512
+    min_free_disk_mib: int | None = None  # free space the template's root filesystem must have
     metadata: dict[str, str] = field(default_factory=dict)
 
 
@@ -150,6 +162,8 @@ class TemplateBuilder:
         guest: GuestVM | None = None
         upper = await layers.create_upper(chain[-1])
         try:
+            if plan.min_free_disk_mib:  # room to grow into at finalize (sparse: costs nothing yet)
+                await _enlarge(layers.path(upper), plan.min_free_disk_mib)
             shape = await self._machine(plan.vcpus or default_vcpus(host.accel), plan.memory_mib)
             config = guest_machine(
                 host.runtime.boot_files(shape), layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
@@ -185,6 +199,10 @@ class TemplateBuilder:
             )  # fmt: skip
             say("finalize", "starting the template" if plan.start_cmd else "saving the template")
             try:
+                if plan.min_free_disk_mib:
+                    await ensure_free_disk(
+                        guest.envd, plan.min_free_disk_mib, lambda line: say("finalize", line)
+                    )
                 await self._prepare(guest, runtime, READY_TIMEOUT, lambda line: say("finalize", line))
             except Exception as exc:
                 raise StageFailed("finalize", str(exc)) from exc
@@ -324,6 +342,25 @@ async def start_runtime(
                 f"ready command {ready_cmd!r} did not succeed within {timeout:.0f} s (last exit code {code})"
             )
         await asyncio.sleep(READY_RETRY_INTERVAL)
+
+
+async def _enlarge(disk: Path, mib: int) -> None:
+    """Make the disk `mib` MiB larger (its filesystem is grown later, in the guest, if need be)."""
+    command = ["qemu-img", "resize", "-q", "-f", "qcow2", str(disk), f"+{mib}M"]
+    await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True)
+
+
+async def ensure_free_disk(envd: EnvdLink, mib: int, log: Log) -> None:
+    """Grow the root filesystem onto its (enlarged) disk when it has less than `mib` MiB free.
+
+    As E2B's ``minFreeDiskMb``: best effort (an image without ``resize2fs`` keeps its size, and
+    the log says so), never shrinking.
+    """
+    captured: list[bytes] = []
+    argv = ["/bin/sh", "-c", FREE_DISK_SCRIPT, "sh", str(mib)]
+    code = await envd.execute(argv, timeout=300, on_output=captured.append)
+    output = b"".join(captured).decode(errors="replace").strip()
+    log(output if code == 0 else f"minFreeDiskMb {mib} not met: {output[-300:]}")
 
 
 def start_command(command: str, status: str) -> list[str]:

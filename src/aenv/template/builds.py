@@ -77,6 +77,7 @@ class BuildRecord:
     finished_at: str | None = None
     cpu_count: int | None = None
     memory_mb: int | None = None
+    min_free_disk_mb: int | None = None
     snapshot_id: str | None = None
     tags: list[str] = field(default_factory=list)  # what the build is tagged with once ready
     started: bool = False  # its steps arrived (a build runs once)
@@ -177,8 +178,9 @@ class TemplateBuilds:
         tags = sorted({tag or DEFAULT_TAG, *(request.tags or [])})
         record = self.templates.setdefault(name, TemplateRecord(name))
         build = BuildRecord(
-            str(uuid.uuid4()), cpu_count=request.cpu_count, memory_mb=request.memory_mb, tags=tags
-        )
+            str(uuid.uuid4()), cpu_count=request.cpu_count, memory_mb=request.memory_mb,
+            min_free_disk_mb=request.min_free_disk_mb, tags=tags,
+        )  # fmt: skip
         record.builds[build.build_id] = build
         self._save(record)
         return record, build, tags
@@ -257,6 +259,7 @@ class TemplateBuilds:
         plan = StepBuild(
             base=base, state=state, stages=stages, start_cmd=start_cmd, ready_cmd=ready_cmd,
             vcpus=build.cpu_count, memory_mib=build.memory_mb or 512,
+            min_free_disk_mib=build.min_free_disk_mb,
             metadata={BUILT_MARK: build.build_id},
         )  # fmt: skip
         return await self.engine.templates.build_steps(
