@@ -25,7 +25,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     home = tmp_path_factory.mktemp("interpreter-home")
     process = subprocess.Popen(
         [sys.executable, str(SERVICE / "serve.py"), "--host", "127.0.0.1", "--port", str(port)],
-        env={"PATH": "/usr/bin:/bin", "HOME": str(home)},
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
