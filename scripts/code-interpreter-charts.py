@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOT_FIRST = 14336  # apart from the tests' nodes and the benchmark's
@@ -49,17 +50,22 @@ def node(seed: Path | None) -> Iterator[None]:
         yield
 
 
-def build(definition: object, name: str) -> float:
+def build(definition: Any, name: str, pip_options: str) -> float:
     from e2b import Template
 
     started = time.monotonic()
-    Template.build(definition.template(charts=True), name, on_build_logs=lambda e: print(" ", e.message))
+    template = definition.template(charts=True, pip_options=pip_options)
+    Template.build(template, name, on_build_logs=lambda e: print(" ", e.message))
     return time.monotonic() - started
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=Path, help="a node home holding the base template")
+    parser.add_argument(
+        "--pip-options", default="",
+        help="more options of the pip install: a mirror, --trusted-host behind a TLS-intercepting proxy",
+    )  # fmt: skip
     args = parser.parse_args()
     spec = importlib.util.spec_from_file_location("template", ROOT / "templates/code-interpreter/template.py")
     assert spec is not None and spec.loader is not None
@@ -68,8 +74,8 @@ def main() -> None:
     with node(args.seed):
         from e2b_code_interpreter import Sandbox
 
-        cold = build(definition, definition.NAME)
-        cached = build(definition, definition.NAME)
+        cold = build(definition, definition.NAME, args.pip_options)
+        cached = build(definition, definition.NAME, args.pip_options)
         sandbox = Sandbox.create()
         try:
             execution = sandbox.run_code(CHART)

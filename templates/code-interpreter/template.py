@@ -22,14 +22,14 @@ READY_URL = "http://127.0.0.1:49999/health"
 CHART_PACKAGES = "matplotlib"
 
 
-def template(*, charts: bool = True) -> TemplateBuilder:
-    """The template definition; ``charts`` adds matplotlib (a few minutes of pip under TCG)."""
+def template(*, charts: bool = True, pip_options: str = "") -> TemplateBuilder:
+    """The template definition; ``charts`` adds matplotlib (a few minutes of pip under TCG),
+    installed with ``pip_options`` (e.g. ``--index-url`` of a mirror)."""
     builder = Template(file_context_path=str(HERE)).from_dockerfile(str(HERE / "Dockerfile"))
     if charts:
         # Debian's python3 is externally managed: system-wide packages need the override.
-        builder = builder.run_cmd(
-            f"pip install --no-cache-dir --break-system-packages {CHART_PACKAGES}", user="root"
-        )
+        command = ["pip install --no-cache-dir --break-system-packages", pip_options, CHART_PACKAGES]
+        builder = builder.run_cmd(" ".join(part for part in command if part), user="root")
     return builder.set_start_cmd(START_CMD, wait_for_url(READY_URL))
 
 
@@ -37,10 +37,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default=NAME, help=f"NAME[:TAG] of the template (default {NAME})")
     parser.add_argument("--lean", action="store_true", help="without matplotlib")
+    parser.add_argument("--pip-options", default="", help="more options of the pip install, e.g. a mirror")
     args = parser.parse_args()
-    info = Template.build(
-        template(charts=not args.lean), args.name, on_build_logs=lambda entry: print(entry.message)
-    )
+    definition = template(charts=not args.lean, pip_options=args.pip_options)
+    info = Template.build(definition, args.name, on_build_logs=lambda entry: print(entry.message))
     print(f"built {info.template_id} (build {info.build_id})")
 
 

@@ -7,8 +7,9 @@ and the device sections become blobs too, the boot disk's writable layer is seal
 manifest is committed last: an interrupted build leaves no template behind.
 
 User builds (`build_steps`, the E2B template build API) boot the same way on a given layer
-chain (an image's root filesystem, or another template's disk) and first run their steps in
-the guest. After each step the disk's top layer is frozen under a new one while the guest runs
+chain (an image's root filesystem, or another template's disk), on a network with the node's
+egress (so that steps can install packages), and first run their steps in the guest. After
+each step the disk's top layer is frozen under a new one while the guest runs
 (`migration.seal_disk`) and recorded in the step cache, so a rebuild boots on the last layer
 whose steps are unchanged and runs only the rest.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..guest.artifacts import GuestArtifacts
+from ..network.egress import EgressPolicy
 from ..storage.layers import new_layer_id
 from ..template.runner import LOGIN_SHELL, LineLog, Log, StepRunner
 from ..template.stepcache import CachedStep, StepCache
@@ -171,7 +173,9 @@ class TemplateBuilder:
                 memory_path=staging / "memory.img",
             )  # fmt: skip
             try:
-                guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
+                # the node's egress (E2B's default policy), so steps can fetch packages
+                network = await host.network(f"aenv-b{upper[-10:]}", EgressPolicy())
+                guest = await boot_guest(config, staging / "vm", network=network)
                 await guest.envd.init(GuestInit(default_user="root").payload())
             except Exception as exc:
                 raise StageFailed("base", f"the build VM did not start: {exc}") from exc

@@ -216,14 +216,16 @@ class Kernels:
             return [kernel.describe() for kernel in self.contexts.values()]
 
 
-def sandbox_envs() -> dict[str, str]:
+def sandbox_envs(access_token: str | None) -> dict[str, str]:
     """The sandbox's environment variables (``Sandbox.create(envs=...)``), which envd was given
-    after this service started: asked for at every cell, as they may change on resume."""
+    after this service started: asked for at every cell, with the envd access token the SDK
+    sends along (a secured sandbox's envd answers only with it)."""
+    headers = {"X-Access-Token": access_token} if access_token else {}
     try:
-        with urllib.request.urlopen(ENVD_ENVS, timeout=2) as answer:
+        with urllib.request.urlopen(urllib.request.Request(ENVD_ENVS, headers=headers), timeout=2) as answer:
             envs = json.load(answer)
     except (OSError, ValueError):
-        return {}  # an envd that wants an access token keeps them to itself
+        return {}
     return {k: v for k, v in envs.items() if isinstance(v, str)} if isinstance(envs, dict) else {}
 
 
@@ -313,7 +315,8 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(HTTPStatus.BAD_REQUEST, "give a context or a language, not both")
         context_id = body.get("context_id")
         kernel = self.kernels.get(context_id) if context_id else self.kernels.default(body.get("language"))
-        lines = kernel.execute({"code": code, "env_vars": {**sandbox_envs(), **env}}, self.connection)
+        envs = {**sandbox_envs(self.headers.get("X-Access-Token")), **env}
+        lines = kernel.execute({"code": code, "env_vars": envs}, self.connection)
         first = next(lines, None)  # errors before the first line are still a status
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "application/x-ndjson")
