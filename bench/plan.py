@@ -26,6 +26,7 @@ class Plan:
     density: int
     density_idle_s: float
     soak: int  # create → exec → pause → resume → kill cycles
+    template_build: int  # rounds of empty, cold and cached template builds
 
 
 MODES: dict[str, Plan] = {
@@ -33,18 +34,18 @@ MODES: dict[str, Plan] = {
         figures=("create", "pause", "resume", "proxy-rtt"),
         floor_samples=2, create=2, pause_resume=2, dirty_mib=64, snapshot=1, snapshot_write_mib=64,
         fork=1, fork_count=4, concurrent=4, proxy_rtt=5, throughput_mib=16, throughput_rounds=1,
-        density=4, density_idle_s=2, soak=3,
+        density=4, density_idle_s=2, soak=3, template_build=1,
     ),
     "quick": Plan(
         figures=FIGURES,
         floor_samples=5, create=5, pause_resume=5, dirty_mib=64, snapshot=2, snapshot_write_mib=1024,
         fork=1, fork_count=16, concurrent=16, proxy_rtt=30, throughput_mib=256, throughput_rounds=2,
-        density=24, density_idle_s=10, soak=10,
+        density=24, density_idle_s=10, soak=10, template_build=1,
     ),
     "full": Plan(
         figures=FIGURES,
         floor_samples=20, create=20, pause_resume=20, dirty_mib=64, snapshot=5, snapshot_write_mib=1024,
         fork=3, fork_count=16, concurrent=50, proxy_rtt=100, throughput_mib=1024, throughput_rounds=3,
-        density=200, density_idle_s=60, soak=1000,
+        density=200, density_idle_s=60, soak=1000, template_build=3,
     ),
 }  # fmt: skip

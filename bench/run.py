@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import dataplane, density, figures, soak
+from . import dataplane, density, figures, soak, templates
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
@@ -43,6 +43,7 @@ MEASURES: dict[str, Measure] = {
     "proxy-throughput": dataplane.proxy_throughput,
     "density": density.density,
     "soak": soak.soak,
+    "template-build": templates.template_build,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
 _BASE_FLOORED = {"create", "pause", "resume", "snapshot"}

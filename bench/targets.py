@@ -17,6 +17,7 @@ FIGURES = (
     "proxy-throughput",
     "density",
     "soak",
+    "template-build",
 )
 
 
@@ -51,4 +52,8 @@ TARGETS: dict[str, Target] = {
     "density": Target("value", ">=", 200, "sandboxes"),
     "density-overcommit": Target("value", ">=", 12, "x"),
     "soak": Target("value", "<=", 0, "count"),
+    # three small steps cost less than two builds without steps; a rebuild whose steps are all
+    # cached costs what a build without steps costs
+    "template-build": Target("ratio", "<=", 3, "x"),
+    "template-build-cached": Target("ratio", "<=", 1.5, "x"),
 }
