@@ -72,6 +72,14 @@ class Repository(Protocol):
 
     def gc(self, *, grace_seconds: float | None = None) -> GcReport: ...
 
+    # -- claims: a snapshot taken over by one node, once (a paused sandbox moving between nodes)
+    def claim(self, snapshot_id: str) -> str:
+        """Claim the snapshot for this node unless another did first; returns the claiming node."""
+        ...
+
+    def claimant(self, snapshot_id: str) -> str | None: ...
+    def unclaim(self, snapshot_id: str) -> None: ...
+
 
 class RuntimeResolver(Protocol):
     """A committed snapshot's parts as local files a QEMU process can map and open.
