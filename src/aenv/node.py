@@ -112,7 +112,7 @@ class Node:
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime,
+            runtime=self.storage.runtime, durable_pauses=self.storage.shared,
         )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)

@@ -292,6 +292,7 @@ class NodeAPI:
             ("POST", "/sandboxes/{sandboxID}/pause", self.pause),
             ("POST", "/sandboxes/{sandboxID}/resume", self.resume),
             ("POST", "/sandboxes/{sandboxID}/connect", self.connect),
+            ("POST", "/sandboxes/{sandboxID}/takeover", self.take_over),
             ("POST", "/v2/sandboxes/{sandboxID}/connect", self.connect),
             ("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics),
             ("GET", "/sandboxes/{sandboxID}/logs", self.sandbox_logs),
@@ -449,6 +450,14 @@ class NodeAPI:
         body = await parse(request, schemas.ResumeSandbox, required=False)
         memory = body.memory is not False
         return self._created(await self.node.resume(self._id(request), body.timeout, memory=memory))
+
+    async def take_over(self, request: web.Request) -> web.Response:
+        """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
+        sandbox_id = self._id(request)
+        if not SANDBOX_ID.fullmatch(sandbox_id):
+            raise InvalidRequest("sandboxID must be a sandbox ID: lowercase letters and digits")
+        body = await parse(request, schemas.TakeOver, required=False)
+        return self._created(await self.node.take_over(sandbox_id, body.timeout))
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
         """Samples between `start` and `end` (Unix seconds, both optional), oldest first."""

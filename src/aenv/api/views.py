@@ -63,6 +63,9 @@ def detail(record: SandboxRecord, domain: str) -> dict[str, Any]:
     }
     if api_state(record.state) == "paused":
         body["pauseMode"] = "full"
+        # aenv's: whether the pause is committed to the shared repository yet (then another node
+        # can take it over); false while it is on this node only, and always with a local repository.
+        body["durable"] = record.durable
     return body
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
+from ..snapshot.handover import PAUSE_MARK
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
@@ -30,6 +31,7 @@ from .store import SandboxRecord
 log = logging.getLogger(__name__)
 
 FORK_MARK = "aenv.fork-of"  # metadata of the hidden snapshot a fork's children start from
+HIDDEN_MARKS = (FORK_MARK, PAUSE_MARK)  # internal snapshots: a fork's, a durable pause's
 
 
 ERROR_KINDS: dict[int, type[SandboxError]] = {403: Forbidden, 404: NotFound, 409: Conflict}
@@ -61,6 +63,10 @@ def matches(record: SandboxRecord, query: ListQuery) -> bool:
     if query.started_after is not None and _started(record) < query.started_after:
         return False
     return query.started_before is None or _started(record) <= query.started_before
+
+
+def _hidden(manifest: SnapshotManifest) -> bool:
+    return any(mark in manifest.metadata for mark in HIDDEN_MARKS)
 
 
 class LocalNode:
@@ -116,6 +122,9 @@ class LocalNode:
         await self.orchestrator.resume(sandbox, timeout, memory=memory)
         return sandbox.record
 
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        return (await self.orchestrator.take_over(sandbox_id, timeout)).record
+
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self.orchestrator.set_timeout(self._sandbox(sandbox_id), timeout)
 
@@ -153,13 +162,15 @@ class LocalNode:
     # -- catalog ---------------------------------------------------------------------------
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        return [m for m in self._engine.repository.list(kind) if FORK_MARK not in m.metadata]
+        return [m for m in self._engine.repository.list(kind) if not _hidden(m)]
 
     async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
         try:
             manifest = self._engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, InvalidName):
             raise NotFound(f"'{reference}' not found") from None
+        if PAUSE_MARK in manifest.metadata:
+            raise NotFound(f"'{reference}' not found")
         if kind is not None and manifest.kind != kind:
             raise NotFound(f"{kind} '{reference}' not found")
         return manifest

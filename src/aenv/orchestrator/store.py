@@ -38,6 +38,8 @@ class SandboxRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     paused_at: str | None = None
     auto_pause_memory: bool = True  # false: a timeout's pause keeps only the disk
+    # Paused, and the pause is committed to the shared repository: another node can take it over.
+    durable: bool = False
 
     def __post_init__(self) -> None:
         self.state = State(self.state)  # rows store the state's plain string

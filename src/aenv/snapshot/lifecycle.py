@@ -24,9 +24,10 @@ from ..vmm import migration
 from . import devstate
 from . import memory as memory_pages
 from .clones import Clones
+from .handover import Handover, SandboxMoved
 from .host import Host
 from .manifest import SnapshotManifest, new_snapshot_id, utc_now
-from .model import EngineError, GuestInit, SandboxState, SandboxVM
+from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses, write_out_files
 from .recovery import kill_stray
 from .templates import start_runtime
@@ -34,15 +35,16 @@ from .warm import WarmVMs
 from .warm_pool import WarmPool
 
 BOOT_TIMEOUT = 300.0  # a cold boot under TCG, on a busy host
-# Metadata of a filesystem-only snapshot (no memory): sandboxes started from it boot from its disk.
-DISK_ONLY = "aenv.disk-only"
 
 
 class Lifecycle:
     """Runs sandboxes from committed snapshots on this node."""
 
-    def __init__(self, host: Host, clones: Clones, warm: WarmVMs, pool: WarmPool, pauses: Pauses):
+    def __init__(
+        self, host: Host, clones: Clones, warm: WarmVMs, pool: WarmPool, pauses: Pauses, handover: Handover
+    ):
         self.host = host
+        self.handover = handover
         self.clones = clones
         self.warm = warm
         self.pool = pool
@@ -93,7 +95,20 @@ class Lifecycle:
             raise
 
     async def resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
-        """Continue a paused sandbox from its saved state (or its parked process)."""
+        """Continue a paused sandbox from its saved state (or its parked process).
+
+        `SandboxMoved` if another node took it over from the repository (it is gone from here).
+        """
+        pause = await self.handover.claim(state)
+        try:
+            sandbox = await self._resume(state, init)
+        except BaseException:
+            await self.handover.unclaim(pause)
+            raise
+        await self.handover.retire(sandbox.state, pause)
+        return sandbox
+
+    async def _resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
         parked = self.pauses.lot.take(state.sandbox_id)
         if parked is not None:
             return await self.pauses.resume_parked(parked, init)
@@ -148,6 +163,10 @@ class Lifecycle:
         if parked is not None:
             await parked.capture
             sandbox, state = parked.sandbox, parked.sandbox.state
+        try:
+            pause = await self.handover.claim(state)
+        except SandboxMoved:  # it lives on elsewhere: only this node's files of it go
+            pause = None
         if isinstance(sandbox, SandboxVM):
             await sandbox.guest.destroy(keep_files=True)
         elif not state.paused:  # left running by a crashed node: its VM and namespace are strays
@@ -157,6 +176,7 @@ class Lifecycle:
         host.layers.remove(state.disk_layers[-1])
         shutil.rmtree(host.workdir(state.sandbox_id), ignore_errors=True)
         host.repository.release(state.snapshot_id, state.sandbox_id)
+        await self.handover.retire(state, pause)
 
     async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
         """Replace a running sandbox's egress rules (one nft transaction) and remember them."""
