@@ -12,6 +12,7 @@ paused on A (through the E2B SDK) is taken over by B, and A no longer has it.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,9 @@ def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):
     assert moved.files.read("/root/paused-on-a.txt", user="root") == "written on node A before the pause"
     pid = moved.files.read("/root/sleeper.pid", user="root").strip()
     assert moved.commands.run(f"kill -0 {pid}", user="root").exit_code == 0  # the process lives on
+    metrics = httpx.get(b.url + "/metrics").text  # B fetched the pause into its runtime cache
+    assert re.search(r"^aenv_runtime_cache_misses [1-9]", metrics, re.M)
+    assert re.search(r"^aenv_runtime_cache_capacity_bytes [1-9]", metrics, re.M)
 
     # One hand-over only: a second take-over is refused, and node A no longer has the sandbox.
     again = httpx.post(b.url + detail + "/takeover", headers=headers_b, timeout=60)

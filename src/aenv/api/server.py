@@ -75,6 +75,19 @@ GC_METRICS = {
     "last_run_seconds": "Duration of the last garbage collection pass",
 }
 
+# The runtime cache of an s3 repository (`aenv.storage.cache.CacheStats`); 0 with a posix one,
+# whose files QEMU uses in place.
+CACHE_METRICS = {
+    "capacity_bytes": "Configured capacity of the node's runtime cache",
+    "used_bytes": "Bytes the runtime cache holds",
+    "entries": "Files the runtime cache holds",
+    "pinned_entries": "Runtime cache files in use by a snapshot leased on this node (never evicted)",
+    "hits": "Runtime cache lookups served locally since the node started",
+    "misses": "Runtime cache lookups that fetched from the repository since the node started",
+    "evictions": "Runtime cache files evicted (least recently used first) since the node started",
+    "fetched_bytes": "Bytes the runtime cache fetched from the repository since the node started",
+}
+
 
 def status_of(error: SandboxError) -> int:
     return next(code for kind, code in STATUS.items() if isinstance(error, kind))
@@ -262,6 +275,10 @@ class NodeAPI:
             name: Gauge(f"aenv_gc_{name}", help_text, registry=self.registry)
             for name, help_text in GC_METRICS.items()
         }
+        self._cache_gauges = {
+            name: Gauge(f"aenv_runtime_cache_{name}", help_text, registry=self.registry)
+            for name, help_text in CACHE_METRICS.items()
+        }
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -362,6 +379,8 @@ class NodeAPI:
         self._lost_gauge.set(status.lost)
         for name, gauge in self._gc_gauges.items():
             gauge.set(getattr(status.gc, name))
+        for name, gauge in self._cache_gauges.items():
+            gauge.set(getattr(status.cache, name) if status.cache is not None else 0)
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

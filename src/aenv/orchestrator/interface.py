@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 from ..network.netns import SandboxNetwork
 from ..snapshot.manifest import SnapshotManifest
+from ..storage.cache import CacheStats
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from .housekeeping import GcTotals
@@ -82,6 +83,7 @@ class NodeStatus:
     lost: int  # sandboxes whose VM process exited without the node asking it to
     parked: int  # paused sandboxes that keep their stopped QEMU process
     gc: GcTotals
+    cache: CacheStats | None = None  # the runtime cache of a remote repository (None: posix)
 
 
 class NodeService(Protocol):

@@ -270,6 +270,7 @@ class LocalNode:
             lost=self.orchestrator.counters["lost"],
             parked=len(self._engine.parked),
             gc=self.housekeeper.totals,
+            cache=self._engine.runtime.cache_stats(),
         )
 
     async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..snapshot.manifest import MachineShape, SnapshotManifest
     from ..snapshot.repository import GcReport
     from ..vmm.launcher import BootFiles
+    from .cache import CacheStats
 
 
 class Repository(Protocol):
@@ -118,6 +119,10 @@ class RuntimeResolver(Protocol):
 
         Blocking: a remote repository uploads the sealed layers it does not hold yet.
         """
+        ...
+
+    def cache_stats(self) -> CacheStats | None:
+        """The node's runtime cache, if files are cached (None: used in place)."""
         ...
 
     def prune(self, is_live: Callable[[str], bool]) -> int:
