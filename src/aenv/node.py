@@ -44,8 +44,9 @@ log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
 IO_THREADS = 64
-# What QEMU writes under the home: disk layers, VM directories, warm VMs, repository staging.
-VMM_WRITABLE = ("layers", "sandboxes", "runtime", "repository")
+# What QEMU writes under the home: disk layers, VM directories, warm VMs, repository staging
+# (`staging` and `pending` are an s3 repository's, whose captures are local files).
+VMM_WRITABLE = ("layers", "sandboxes", "runtime", "repository", "staging", "pending")
 
 
 def api_key(settings: Settings) -> str:
@@ -119,6 +120,8 @@ class Node:
         self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"))
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
+        if pending := engine.recover_pending():
+            log.info("committing %d snapshots a previous node process answered but did not commit", pending)
         template = await self._base_template(engine, settings)
         # After recovery and the base template: collection must know every layer they use.
         self.housekeeper = Housekeeper(engine, settings.gc_interval)

@@ -10,6 +10,7 @@ from ..orchestrator.service import DISK_SIZE_MB
 from ..orchestrator.states import State, api_state
 from ..orchestrator.store import SandboxRecord
 from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.pending import PENDING_MARK
 
 CLIENT_ID = "aenv"
 
@@ -82,6 +83,9 @@ def snapshot_info(manifest: SnapshotManifest) -> dict[str, Any]:
         "diskSizeMB": DISK_SIZE_MB,
         "createdAt": manifest.created_at,
         "updatedAt": manifest.created_at,
+        # aenv's: committed to the repository (false: captured on the node, being committed;
+        # only this node knows it meanwhile, and a create from it there waits for the commit).
+        "durable": PENDING_MARK not in manifest.metadata,
     }
 
 

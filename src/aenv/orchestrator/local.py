@@ -17,6 +17,7 @@ from typing import Any
 
 from ..snapshot.handover import PAUSE_MARK
 from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.pending import PENDING_MARK
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
@@ -162,11 +163,15 @@ class LocalNode:
     # -- catalog ---------------------------------------------------------------------------
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        return [m for m in self._engine.repository.list(kind) if not _hidden(m)]
+        committed = [m for m in self._engine.repository.list(kind) if not _hidden(m)]
+        known = {m.id for m in committed}
+        pending = [m for m in self._engine.pending.list() if m.id not in known] if kind != "template" else []
+        return [*reversed(pending), *committed]  # newest first: those being committed are newer
 
     async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
+        manifest = self._engine.pending.get(catalog_name(reference))
         try:
-            manifest = self._engine.repository.get(catalog_name(reference))
+            manifest = manifest or self._engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, InvalidName):
             raise NotFound(f"'{reference}' not found") from None
         if PAUSE_MARK in manifest.metadata:
@@ -193,6 +198,8 @@ class LocalNode:
                 f"'{name}' is built into this node: creates and a warm pool use it, so it cannot be deleted"
             )
         await pool.drain(manifest.id)
+        if PENDING_MARK in manifest.metadata and await self._engine.pending.cancel(manifest.id):
+            return  # cancelled before its commit: it never becomes visible
         try:
             self._engine.repository.delete(manifest.id, defer=True)
         except RepositoryError as exc:

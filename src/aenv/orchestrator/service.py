@@ -263,6 +263,8 @@ class Orchestrator:
 
     def resolve_template(self, reference: str) -> SnapshotManifest:
         """A template or snapshot by id or alias; `namespace/` prefixes and `:tag` suffixes are ignored."""
+        if (pending := self.engine.pending.get(catalog_name(reference))) is not None:
+            return pending  # this node's, being committed: a start waits for the commit
         try:
             return self.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, RepositoryError):
@@ -489,7 +491,10 @@ class Orchestrator:
             assert sandbox.vm is not None
             metadata = {"sandbox_id": sandbox.id}
             try:
-                return await self.engine.snapshot(sandbox.vm, alias=name, metadata=metadata, memory=memory)
+                # Answered once captured on this node; committed in the background (`snapshot.pending`).
+                return await self.engine.snapshot(
+                    sandbox.vm, alias=name, metadata=metadata, memory=memory, wait=False
+                )
             except InvalidName as exc:
                 raise InvalidRequest(str(exc)) from exc
             except (AliasConflict, SnapshotExists) as exc:

@@ -36,6 +36,7 @@ from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxVM
 from .parking import ParkingPolicy
 from .pausing import Pauses
+from .pending import PendingSnapshots
 from .recovery import Recovery
 from .repository import SnapshotRepository
 from .templates import TemplateBuilder
@@ -91,7 +92,10 @@ class SnapshotEngine:
         self.parked = self.pauses.lot
         self.handover = Handover(self.host, durable_pauses)
         self.pauses.on_saved = self.handover.paused
-        self.lifecycle = Lifecycle(self.host, clones, self.warm, self.pool, self.pauses, self.handover)
+        self.pending = PendingSnapshots(self.host, repository.pending_dir())
+        self.lifecycle = Lifecycle(
+            self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
+        )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
 
     async def close(self) -> None:
@@ -102,6 +106,7 @@ class SnapshotEngine:
         await self.parked.close()
         await self.pool.close()
         await self.handover.close()
+        await self.pending.close()
 
     # -- machine and sandboxes directory ---------------------------------------------------
 
@@ -154,8 +159,12 @@ class SnapshotEngine:
         alias: str | None = None,
         metadata: dict[str, str] | None = None,
         memory: bool = True,
+        wait: bool = True,
     ) -> SnapshotManifest:
-        return await self.lifecycle.snapshot(sandbox, alias=alias, metadata=metadata, memory=memory)
+        """Snapshot a running sandbox; without `wait`, answered before it is committed (`pending`)."""
+        return await self.lifecycle.snapshot(
+            sandbox, alias=alias, metadata=metadata, memory=memory, wait=wait
+        )
 
     async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
         """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
@@ -184,4 +193,8 @@ class SnapshotEngine:
         return self.recovery.cleanup_warm_leftovers()
 
     def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
-        return self.recovery.collect_garbage(grace_seconds=grace_seconds)
+        return self.recovery.collect_garbage(grace_seconds=grace_seconds, keep=self.pending.layers())
+
+    def recover_pending(self) -> int:
+        """At start: commit, in the background, the snapshots a previous node process answered."""
+        return self.pending.recover()

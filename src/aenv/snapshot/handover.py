@@ -83,8 +83,14 @@ class Handover:
 
     def recover(self, state: SandboxState) -> None:
         """After a restart: commit a pause the previous node process had not committed yet."""
-        if self.enabled and state.paused and state.durable is None and state.pid is None:
-            self.paused(state, self.host.repository.leased(state.snapshot_id, state.sandbox_id))
+        if not (self.enabled and state.paused and state.durable is None and state.pid is None):
+            return
+        try:
+            origin = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        except Exception as exc:  # the pause stays on this node, resumable here as before
+            log.error("cannot commit the pause of sandbox %s: %s", state.sandbox_id, exc)
+            return
+        self.paused(state, origin)
 
     async def settle(self, sandbox_id: str) -> None:
         """Wait for the sandbox's upload, if one runs (the disk layer must not change under it)."""

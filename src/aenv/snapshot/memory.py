@@ -86,11 +86,12 @@ def _index_area(pages: int) -> int:
     return -(-pages * 8 // PAGE_SIZE) * PAGE_SIZE
 
 
-def capture_delta(pid: int, start: int, end: int, out: Path) -> DeltaInfo:
+def capture_delta(pid: int, start: int, end: int, out: Path, *, sync: bool = True) -> DeltaInfo:
     """Write the pages the guest changed into a delta layer file. QEMU must be stopped.
 
     The file is hashed as it is written: a snapshot stores it by digest, and reading hundreds
-    of MiB back just to hash them would cost a third again of the capture.
+    of MiB back just to hash them would cost a third again of the capture. Without `sync` it is
+    left in the page cache for its caller to flush (a snapshot committed in the background).
     """
     indices = dirty_pages(pid, start, end)
     memory_size = end - start
@@ -106,7 +107,8 @@ def capture_delta(pid: int, start: int, end: int, out: Path) -> DeltaInfo:
         for first, length in _runs(indices):
             write(os.pread(mem.fileno(), length * PAGE_SIZE, start + first * PAGE_SIZE))
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     return DeltaInfo(int(indices.size), memory_size, out, "sha256:" + digest.hexdigest())
 
 

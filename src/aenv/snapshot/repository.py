@@ -13,6 +13,7 @@ shared filesystem; `aenv.storage.runtime.LocalRuntime` uses its blobs in place).
     deleted/<id>              tombstone: deleted while leased, removed when the last lease goes
     claims/<id>               the node that took the snapshot over, written once (`claim`)
     staging/                  scratch directories and temporary blob copies (same filesystem)
+    pending/                  captures answered but not committed yet (`aenv.snapshot.pending`)
     lock                      flock()ed by every catalog change and by gc
 
 Crash safety: every catalog file is written to a dot-named temporary in its own directory,
@@ -431,6 +432,10 @@ class SnapshotRepository:
         path = Path(tempfile.mkdtemp(prefix="s-", dir=self._staging))
         self._own_staging.add(path)
         return path
+
+    def pending_dir(self) -> Path:
+        """Captures awaiting their commit: beside staging (so a blob is a rename), never cleaned by it."""
+        return self.root / "pending"
 
     def discard_staging(self, path: Path) -> None:
         """Remove a directory made by ``staging_dir`` (blobs stored from it are unaffected)."""

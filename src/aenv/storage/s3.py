@@ -342,6 +342,10 @@ class S3Repository:
         self._own_staging.add(path)
         return path
 
+    def pending_dir(self) -> Path:
+        """Captures awaiting their commit (upload): a local directory beside staging."""
+        return self._staging.parent / "pending"
+
     def discard_staging(self, path: Path) -> None:
         self._own_staging.discard(Path(path))
         shutil.rmtree(path, ignore_errors=True)
