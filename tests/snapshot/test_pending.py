@@ -7,6 +7,7 @@ runtime's `publish_layers`, here keeping layer ids as they are, as a posix node 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,23 +34,33 @@ def pending_of(repo: SnapshotRepository) -> PendingSnapshots:
 
 
 def captured(repo: SnapshotRepository, pending: PendingSnapshots, *, alias: str | None = None):
-    """A capture as a snapshot leaves it: device state and pages in its directory, the rest stored."""
+    """A capture as a snapshot leaves it: device state and pages in its directory, the rest stored;
+    its manifest without their digests (the background commit hashes them)."""
     snapshot_id = new_snapshot_id()
     directory = pending.directory(snapshot_id)
     (directory / DEVICES).write_bytes(b"devices " + snapshot_id.encode())
     (directory / DELTA).write_bytes(b"pages " + snapshot_id.encode())
-    image, prefix = repo.put_bytes(b"image"), repo.put_bytes(b"prefix")
+    origin_devices, image, prefix = (repo.put_bytes(part) for part in (b"origin", b"image", b"prefix"))
     machine = MachineShape(
         qemu_version="10.0.2", machine_type="microvm", vcpus=1, memory_mib=256, accel="tcg",
         kernel_digest="k", initramfs_digest="i", tools_digest="t", cmdline="console=ttyS0",
     )  # fmt: skip
-    manifest = SnapshotManifest(
+    draft = SnapshotManifest(
         id=snapshot_id, kind="snapshot", alias=alias, created_at=utc_now(), source={}, machine=machine,
-        memory_image=image, memory_deltas=(digest((directory / DELTA).read_bytes()),),
-        device_state=digest((directory / DEVICES).read_bytes()), vmstate_prefix=prefix,
+        memory_image=image, memory_deltas=(), device_state=origin_devices, vmstate_prefix=prefix,
         disk_layers=("lbase",),
     )  # fmt: skip
-    return manifest, directory
+    return draft, directory
+
+
+def completed(draft: SnapshotManifest, directory: Path) -> SnapshotManifest:
+    """What a node process had written once it hashed and flushed the capture."""
+    pages = digest((directory / DELTA).read_bytes())
+    manifest = dataclasses.replace(
+        draft, memory_deltas=(pages,), device_state=digest((directory / DEVICES).read_bytes())
+    )
+    (directory / "manifest.json").write_text(manifest.to_json())
+    return manifest
 
 
 def test_committed_in_the_background_then_visible_whole(repo: SnapshotRepository):
@@ -61,9 +72,12 @@ def test_committed_in_the_background_then_visible_whole(repo: SnapshotRepository
         assert shown is not None and shown.metadata[PENDING_MARK] == "true"
         assert "lbase" in pending.layers()  # the collector keeps its disk layers meanwhile
         await pending.committed(manifest.id)
-        assert repo.get("named").id == manifest.id and pending.get(manifest.id) is None
+        committed = repo.get("named")
+        assert committed.id == manifest.id and pending.get(manifest.id) is None
+        assert committed.memory_deltas == (digest(b"pages " + manifest.id.encode()),)
+        assert committed.device_state == digest(b"devices " + manifest.id.encode())
         assert not directory.exists()
-        repo.verify_blob(manifest.memory_deltas[0])
+        repo.verify_blob(committed.memory_deltas[0])
 
     asyncio.run(main())
 
@@ -82,14 +96,13 @@ def test_a_cancelled_snapshot_never_appears(repo: SnapshotRepository):
         repo.get(manifest.id)
 
 
-def test_a_restart_finishes_the_commit_or_rolls_back_a_damaged_capture(repo: SnapshotRepository):
-    left = pending_of(repo)  # a node process that answered two snapshots and ended before committing
-    whole, whole_dir = captured(repo, left)
-    (whole_dir / "manifest.json").write_text(whole.to_json())
-    damaged, damaged_dir = captured(repo, left)
-    (damaged_dir / "manifest.json").write_text(damaged.to_json())
-    (damaged_dir / DELTA).write_bytes(b"torn by a host crash")
-    unanswered = left.directory(new_snapshot_id())  # captured, never answered: no manifest
+def test_a_restart_finishes_the_commit_or_rolls_back(repo: SnapshotRepository):
+    left = pending_of(repo)  # a node process that answered three snapshots and ended before committing
+    whole = completed(*captured(repo, left))
+    damaged_draft, damaged_dir = captured(repo, left)
+    damaged = completed(damaged_draft, damaged_dir)
+    (damaged_dir / DELTA).write_bytes(b"not what was hashed")
+    unhashed, _ = captured(repo, left)  # ended before the pages were hashed and flushed
 
     async def main() -> None:
         pending = pending_of(repo)
@@ -98,6 +111,7 @@ def test_a_restart_finishes_the_commit_or_rolls_back_a_damaged_capture(repo: Sna
 
     asyncio.run(main())
     assert repo.get(whole.id).memory_deltas == whole.memory_deltas
-    with pytest.raises(SnapshotNotFound):
-        repo.get(damaged.id)
-    assert not whole_dir.exists() and not damaged_dir.exists() and not unanswered.exists()
+    for gone in (damaged, unhashed):
+        with pytest.raises(SnapshotNotFound):
+            repo.get(gone.id)
+    assert list(repo.pending_dir().iterdir()) == []

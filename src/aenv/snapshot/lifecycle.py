@@ -23,7 +23,6 @@ from ..network.netns import SandboxNetwork
 from ..storage.layers import new_layer_id
 from ..vmm import migration
 from . import devstate
-from . import memory as memory_pages
 from .clones import Clones
 from .handover import Handover, SandboxMoved
 from .host import Host
@@ -32,7 +31,7 @@ from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses, write_out_files
 from .pending import CAPTURE, PendingSnapshots
 from .recovery import kill_stray
-from .repository import AliasConflict, SnapshotNotFound, check_alias, file_digest
+from .repository import AliasConflict, SnapshotNotFound, check_alias
 from .templates import start_runtime
 from .warm import WarmVMs
 from .warm_pool import WarmPool
@@ -218,15 +217,14 @@ class Lifecycle:
         directory = self.pending.directory(snapshot_id)
         state = sandbox.state
         sealed = state.disk_layers[-1]
-        captured: tuple[Path, memory_pages.DeltaInfo] | None = None
         try:
             new_top = new_layer_id()
             new_node = f"n{new_top}"
             if not memory:
                 await write_out_files(sandbox)
             async with migration.stopped(sandbox.vm, resume=True):
-                if memory:
-                    captured = await self.clones.capture(sandbox, directory, CAPTURE, sync=False)
+                if memory:  # neither hashed nor flushed with the guest stopped: `pending` does both
+                    await self.clones.capture(sandbox, directory, CAPTURE, sync=False)
                 await migration.seal_disk(sandbox.vm, sandbox.root_node, host.layers.path(new_top), new_node)
             host.layers.seal(sealed)
         except BaseException:
@@ -235,10 +233,8 @@ class Lifecycle:
         sandbox.root_node = new_node
         state.disk_layers.append(new_top)
         state.save(host.workdir(state.sandbox_id))
-        manifest = self._snapshot_manifest(
-            snapshot_id, sandbox, captured, state.disk_layers[:-1], alias, metadata or {}
-        )
-        self.pending.add(manifest, directory)
+        draft = self._snapshot_manifest(snapshot_id, sandbox, memory, state.disk_layers[:-1], alias, metadata)
+        self.pending.add(draft, directory)
         if not wait:
             return self.pending.get(snapshot_id) or host.repository.get(snapshot_id)
         await self.pending.committed(snapshot_id)
@@ -259,21 +255,16 @@ class Lifecycle:
         self,
         snapshot_id: str,
         sandbox: SandboxVM,
-        captured: tuple[Path, memory_pages.DeltaInfo] | None,
+        memory: bool,
         layers: list[str],
         alias: str | None,
-        metadata: dict[str, str],
+        metadata: dict[str, str] | None,
     ) -> SnapshotManifest:
-        """The manifest to commit; `captured` (device state, changed pages) is None for a disk-only
-        one, which keeps its origin's memory image and device state only as the machine to boot."""
+        """The manifest to commit, its captured files' digests not filled in yet (`pending` does).
+
+        A disk-only one keeps its origin's memory image and device state only as the machine to boot.
+        """
         origin = sandbox.manifest
-        device_state, deltas, sizes = origin.device_state, (), {}
-        if captured is None:
-            metadata = {**metadata, DISK_ONLY: "true"}
-        else:
-            devices, delta = captured
-            device_state, deltas = file_digest(devices), (delta.digest,)
-            sizes = {delta.digest: delta.path.stat().st_size}
         return SnapshotManifest(
             id=snapshot_id,
             kind="snapshot",
@@ -282,13 +273,12 @@ class Lifecycle:
             source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
             machine=origin.machine,
             memory_image=origin.memory_image,
-            memory_deltas=deltas,
-            device_state=device_state,
+            memory_deltas=(),
+            device_state=origin.device_state,
             vmstate_prefix=origin.vmstate_prefix,
             disk_layers=tuple(layers),
             runtime=origin.runtime,
-            metadata=metadata,
-            sizes=sizes,
+            metadata={**(metadata or {}), **({} if memory else {DISK_ONLY: "true"})},
         )
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:

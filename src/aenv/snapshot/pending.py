@@ -1,29 +1,29 @@
 """Snapshots answered before they are durable: captured on this node, committed in the background.
 
-A snapshot's capture (device state and changed pages, into the staging tier) and the seal of its
-disk happen with the guest stopped; what follows does not need the guest and used to keep the
-caller waiting: flushing the pages to disk, storing them as blobs (an upload on s3), publishing
-the sealed disk layers (s3) and committing the manifest. Here that runs in the background, and
-the manifest is committed last, only when everything it names is stored. Until then:
+A snapshot's capture (device state and changed pages, into this pending tier) and the seal of
+its disk happen with the guest stopped; what follows does not need the guest and used to keep
+the caller waiting: hashing and flushing the pages, storing them as blobs (an upload on s3),
+publishing the sealed disk layers (s3) and committing the manifest. Here that runs in the
+background, and the manifest is committed last, only when everything it names is stored.
+Until then:
 
 - the snapshot is this node's alone: the API shows it with `"durable": false` (its `POST` answer,
   `GET /snapshots`, `GET /snapshots/{id}`), a create from it on this node waits for the commit,
   and other nodes do not know it yet (404);
 - a delete cancels it: a commit not yet made never happens (else the snapshot is deleted after);
-- its files wait in `<home>/pending/<id>/` with the manifest to commit (device state, pages,
-  `manifest.json`, its disk layers sealed in the layer store, which the collector keeps): a node
-  process that ends first finishes the commit at its next start (`recover`), verifying every
-  file against the digest captured, and rolls it back if one does not match (a host crash that
-  lost unflushed pages). Nobody ever sees half a snapshot.
+- its files wait in the repository's `pending_dir()/<id>/`, its disk layers sealed in the layer
+  store (the collector keeps them). Once the pages are hashed and flushed, the manifest to
+  commit is written beside them (`manifest.json`): a node process that ends after that point
+  finishes the commit at its next start (`recover`, checking every file against its digest);
+  one that ends before it rolls the snapshot back. Nobody ever sees half a snapshot.
 
-On posix_fs the files become blobs by rename (the pending directory is in the node's home, on the
-repository's filesystem by default), so the background part costs little more than the flush.
+On posix_fs the files become blobs by rename (the pending directory is beside the repository's
+staging), so the background part costs the hash and the flush.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .host import Host
 from .manifest import SnapshotManifest
+from .repository import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ DELTA = f"{CAPTURE}.delta"
 
 @dataclass
 class _Entry:
-    manifest: SnapshotManifest  # as it will be committed (disk layers: this node's layer ids)
+    # As it will be committed (disk layers: this node's layer ids), but for the digests of the
+    # captured files until they are hashed (`_complete`).
+    manifest: SnapshotManifest
     directory: Path
-    verify: bool  # the files' digests are checked (after a restart), not trusted from the capture
+    complete: bool  # the digests are in, and manifest.json is written: a restart finishes it
     cancelled: bool = False
     committed: bool = False
     error: BaseException | None = None
@@ -71,13 +74,13 @@ class PendingSnapshots:
         path.mkdir()
         return path
 
-    def add(self, manifest: SnapshotManifest, directory: Path, *, verify: bool = False) -> None:
-        """Commit the captured snapshot in the background; `manifest` names its files' digests."""
-        tmp = directory / f".{MANIFEST}.tmp"
-        tmp.write_text(manifest.to_json())
-        os.replace(tmp, directory / MANIFEST)
-        entry = _Entry(manifest, directory, verify)
-        self._entries[manifest.id] = entry
+    def add(self, draft: SnapshotManifest, directory: Path) -> None:
+        """Commit the snapshot captured into `directory` in the background (`draft`: its manifest,
+        without the captured files' digests, unless it is disk-only)."""
+        self._start(_Entry(draft, directory, complete=False))
+
+    def _start(self, entry: _Entry) -> None:
+        self._entries[entry.manifest.id] = entry
         entry.task = asyncio.create_task(self._run(entry))
 
     async def _run(self, entry: _Entry) -> None:
@@ -90,17 +93,38 @@ class PendingSnapshots:
         finally:
             self._entries.pop(entry.manifest.id, None)
 
+    def _complete(self, entry: _Entry) -> None:
+        """Hash and flush the captured files, then write the manifest beside them (the point
+        from which a restart finishes the commit instead of rolling it back)."""
+        directory, manifest = entry.directory, entry.manifest
+        delta, devices = directory / DELTA, directory / DEVICES
+        if devices.exists():
+            for path in (delta, devices):
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            pages, state = file_digest(delta), file_digest(devices)
+            manifest = dataclasses.replace(
+                manifest, memory_deltas=(pages,), device_state=state, sizes={pages: delta.stat().st_size}
+            )
+        tmp = directory / f".{MANIFEST}.tmp"
+        with open(tmp, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST)
+        entry.manifest, entry.complete = manifest, True
+
     def _commit(self, entry: _Entry) -> None:
         """Store the files, publish the disk layers, commit the manifest (blocking: a worker thread)."""
+        if not entry.complete:
+            self._complete(entry)
+            verify = False  # hashed just now
+        else:
+            verify = True  # written by a previous node process: check before trusting
         repository, manifest, directory = self.host.repository, entry.manifest, entry.directory
-        delta = directory / DELTA
-        if manifest.memory_deltas and delta.exists():
-            with open(delta, "rb") as f:
-                os.fsync(f.fileno())
-            repository.put_blob(delta, digest=manifest.memory_deltas[0], move=True, verify=entry.verify)
-        devices = directory / DEVICES
-        if devices.exists():
-            repository.put_blob(devices, digest=manifest.device_state, move=True, verify=entry.verify)
+        if manifest.memory_deltas:
+            repository.put_blob(directory / DELTA, digest=manifest.memory_deltas[0], move=True, verify=verify)
+            repository.put_blob(directory / DEVICES, digest=manifest.device_state, move=True, verify=verify)
         layers = self.host.runtime.publish_layers(list(manifest.disk_layers))
         with entry.lock:
             if entry.cancelled:
@@ -128,12 +152,8 @@ class PendingSnapshots:
         return {e.manifest.alias for e in self._entries.values() if e.manifest.alias and not e.cancelled}
 
     def layers(self) -> set[str]:
-        """Disk layers pending snapshots name (garbage collection must keep them)."""
-        layers = set()
-        for directory in self.root.iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                layers.update(SnapshotManifest.from_json((directory / MANIFEST).read_text()).disk_layers)
-        return layers
+        """Disk layers pending snapshots name (garbage collection, in a worker thread, keeps them)."""
+        return {layer for entry in list(self._entries.values()) for layer in entry.manifest.disk_layers}
 
     async def settle(self, id_or_alias: str) -> None:
         """Wait until the pending snapshot (if it is one) is committed or rolled back."""
@@ -170,12 +190,12 @@ class PendingSnapshots:
         for directory in sorted(self.root.iterdir()):
             try:
                 manifest = SnapshotManifest.from_json((directory / MANIFEST).read_text())
-            except (OSError, ValueError):  # captured, never answered: nobody knows this snapshot
+            except (OSError, ValueError):  # not hashed and flushed yet: rolled back
                 shutil.rmtree(directory, ignore_errors=True)
                 continue
             if self.host.repository.is_live(manifest.id):
                 shutil.rmtree(directory, ignore_errors=True)
                 continue
-            self.add(manifest, directory, verify=True)
+            self._start(_Entry(manifest, directory, complete=True))
             resumed += 1
         return resumed
