@@ -7,7 +7,8 @@ state, and every layer of the sandbox's disk chain, its writable top layer inclu
 while nothing writes to it: the VM is stopped). Its alias `aenv.pause.<sandbox id>` lets any
 node find it by sandbox id, and its metadata carry the sandbox's record as the node service
 describes it (`describe`), so the node taking it over knows the sandbox's tokens and settings.
-`SandboxState.durable` names it once it is committed: until then the pause is on this node only.
+`SandboxState.durable` names it once it is committed: until then the pause is on this node only,
+and a resume or kill here waits for the upload to end (the disk layer must not change under it).
 
 Who continues the sandbox is decided once, by the repository's claim on the pause snapshot (a
 conditional write): a resume here, a kill here and a take-over elsewhere each claim it first,
