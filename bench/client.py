@@ -62,6 +62,9 @@ class NodeClient:
     async def snapshot(self, sandbox_id: str) -> dict[str, Any]:
         return await self._call("POST", f"/sandboxes/{sandbox_id}/snapshots", 201, {})
 
+    async def snapshot_info(self, snapshot_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/snapshots/{snapshot_id}", 200)
+
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._call("DELETE", f"/templates/{snapshot_id}", 204)
 

@@ -112,7 +112,7 @@ async def pause_resume(ctx: Context) -> list[Row]:
 
 async def snapshot(ctx: Context) -> list[Row]:
     plan = ctx.plan
-    samples, deltas = [], []
+    samples, deltas, durable = [], [], []
     write_s = []
     async with Sandboxes(ctx.client) as sandboxes:
         sandbox = await sandboxes.create()
@@ -124,18 +124,24 @@ async def snapshot(ctx: Context) -> list[Row]:
             started = time.perf_counter()
             snap = await ctx.client.snapshot(sandbox["sandboxID"])
             samples.append(_ms(started))
+            while not snap.get("durable", True):  # committed in the background: wait, for the size
+                await asyncio.sleep(0.02)
+                snap = await ctx.client.snapshot_info(snap["snapshotID"])
+            durable.append(_ms(started))
             if (size := ctx.node.snapshot_delta_bytes(snap["snapshotID"])) is not None:
                 deltas.append(size)
             await ctx.client.delete_snapshot(snap["snapshotID"])
             await ctx.client.run(sandbox, f"rm -f /root/bench-{i}.bin")
     written = f"{plan.snapshot_write_mib} MiB" if plan.snapshot_write_mib < 1024 else "1 GiB"
     note = f"before each snapshot the guest wrote {written} to a new file with fsync (took {write_s} s)"
+    note += f"; answered once captured, committed (durable) after {[round(ms) for ms in durable]} ms"
     if deltas:
         sizes = [_mib(d) for d in deltas]
         note += f"; memory delta per snapshot {sizes} MiB (mostly the guest's page cache of the file)"
     figure = summarize(f"snapshot after writing {written}", samples)
     floor = await ctx.save_floor()
-    return [Row("snapshot", figure, floor, "bare stop+save", note=note, details={"delta_bytes": deltas})]
+    details = {"delta_bytes": deltas, "durable_ms": durable}
+    return [Row("snapshot", figure, floor, "bare stop+save", note=note, details=details)]
 
 
 async def fork(ctx: Context) -> list[Row]:

@@ -184,7 +184,7 @@ def test_disk_full_during_pause_or_snapshot_leaves_the_sandbox_running(base_temp
         sandboxes.node.run(engine.pause(sandbox.vm))
     assert sdk.files.read("/home/user/keep") == "intact"
 
-    with full_disk(engine.repository.root / "staging"), pytest.raises(OSError):
+    with full_disk(engine.pending.root), pytest.raises(OSError):
         sandboxes.node.run(engine.snapshot(sandbox.vm))
     assert sdk.files.read("/home/user/keep") == "intact"
     assert sandbox.vm.state.disk_layers == engine.load_state(sandbox.sandbox_id).disk_layers
