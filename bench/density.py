@@ -21,11 +21,12 @@ from typing import Any
 from .context import Context, Sandboxes, bounded
 from .report import Row
 from .stats import summarize
+from .targets import TARGETS
 
 RESERVE_MIB = 1024
 MAX_CREATE_FAILURES = 3  # one failed create may be a hiccup; this many say the host has had enough
 CREATE_CONCURRENCY = 4
-DENSITY_TARGET = 200
+DENSITY_TARGET = int(TARGETS["density"].bound)
 
 
 def meminfo_mib() -> dict[str, float]:
@@ -149,4 +150,10 @@ async def density(ctx: Context) -> list[Row]:
         f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}"
     )
     per_sandbox = summarize("idle density: host RAM per sandbox", [used / len(ids)], unit="MiB")
-    return [*rows, Row("density-overcommit", overcommit, note=usage_note), Row("density-ram", per_sandbox)]
+    cpu = summarize("idle density: CPU per idle sandbox", [100 * idle_cores / len(ids)], unit="%")
+    return [
+        *rows,
+        Row("density-overcommit", overcommit, note=usage_note),
+        Row("density-ram", per_sandbox),
+        Row("density-cpu", cpu, note="share of one host core each idle sandbox's QEMU process used"),
+    ]

@@ -238,8 +238,16 @@ class TemplateBuilder:
         return chain, state, len(plan.stages)
 
     async def _save(self, guest: GuestVM, staging: Path) -> None:
-        """Stop the guest and save its state without RAM; the VM is gone afterwards."""
+        """Stop the guest once it is quiet and save its state without RAM; the VM is gone afterwards.
+
+        Dirty files are written out and the host's connections closed first, and the guest is
+        given the moment it needs to finish with them: otherwise every clone would do that work
+        after its restore (under TCG, ~0.2 s of CPU per clone before it answers anything).
+        """
+        await guest.envd.execute(["/bin/sh", "-c", "sync"], timeout=300)
         guest.envd.close()  # clones should not inherit an open connection to this host
+        waited = await guest.vm.settle()
+        log.debug("template guest quiet after %.1f s", waited)
         await migration.stop(guest.vm)
         await migration.save(guest.vm, staging / "vmstate", staging / "devices")
         await guest.vm.command("quit")

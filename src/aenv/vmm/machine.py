@@ -264,6 +264,29 @@ class VirtualMachine:
     def alive(self) -> bool:
         return self.process.returncode is None
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the QEMU process has used so far: under TCG, the guest's work."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def settle(self, window: float = 0.2, busy: float = 0.05, limit: float = 10.0) -> float:
+        """Until the guest is idle: QEMU used at most `busy` of a core over the last `window`
+        seconds, or `limit` seconds passed. Returns the seconds waited.
+
+        A state saved while the guest still works (a connection being torn down, a timer's
+        burst) makes every clone finish that work after its restore, each in a new process that
+        under TCG translates the code afresh.
+        """
+        started = time.monotonic()
+        before = self.cpu_seconds()
+        while time.monotonic() - started < limit:
+            await asyncio.sleep(window)
+            now = self.cpu_seconds()
+            if now - before <= busy * window:
+                break
+            before = now
+        return time.monotonic() - started
+
     async def wait(self, timeout: float | None = None) -> int:
         """Wait for QEMU to exit; returns its exit status."""
         return await asyncio.wait_for(self.process.wait(), timeout)
