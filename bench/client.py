@@ -8,6 +8,7 @@ protocol, so the harness needs nothing on the node's host to prepare a guest.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -61,6 +62,9 @@ class NodeClient:
     async def snapshot(self, sandbox_id: str) -> dict[str, Any]:
         return await self._call("POST", f"/sandboxes/{sandbox_id}/snapshots", 201, {})
 
+    async def snapshot_info(self, snapshot_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/snapshots/{snapshot_id}", 200)
+
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._call("DELETE", f"/templates/{snapshot_id}", 204)
 
@@ -72,6 +76,20 @@ class NodeClient:
 
     async def template(self, reference: str) -> dict[str, Any]:
         return await self._call("GET", f"/templates/{reference}", 200)
+
+    async def build_template(self, name: str, start: dict[str, Any], *, poll: float = 0.5) -> None:
+        """Build template `name` from a build document (E2B's ``TemplateBuildStartV2``) and wait
+        until it is ready, as the SDK's ``Template.build`` does."""
+        ticket = await self._call("POST", "/v3/templates", 202, {"name": name})
+        build = f"/templates/{ticket['templateID']}/builds/{ticket['buildID']}"
+        await self._call("POST", f"/v2{build}", 202, start)
+        while (status := await self._call("GET", f"{build}/status?limit=0", 200))["status"] != "ready":
+            if status["status"] == "error":
+                raise BenchError(f"build of {name} failed: {status.get('reason')}")
+            await asyncio.sleep(poll)
+
+    async def delete_template(self, name: str) -> None:
+        await self._call("DELETE", f"/templates/{name}", (204, 404))
 
     async def envd_healthy(self, sandbox_id: str) -> bool:
         """envd's `/health` through the node's proxy."""

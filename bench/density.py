@@ -2,8 +2,9 @@
 
 Host RAM used is MemTotal - MemAvailable after the sandboxes idled, minus the same before they
 were created (the warm pool is there both times); the sum of RSS and PSS of their QEMU processes
-(`/proc/<pid>/smaps_rollup`) says how much of it they own (PSS splits the shared memory image
-among them), and their CPU time over the idle period what idling costs the host's cores.
+(`/proc/<pid>/smaps`) says how much of it they own (PSS splits the shared memory image among
+them), the anonymous memory of each, split by mapping (`PARTS`), what it is spent on, and their
+CPU time over the idle period what idling costs the host's cores.
 Overcommit is the guest RAM they were configured with over that host RAM. Creating stops early,
 without failing the figure, after a few failed creates or when the host's MemAvailable falls
 below a reserve; the figure then says how many it reached and why.
@@ -21,11 +22,12 @@ from typing import Any
 from .context import Context, Sandboxes, bounded
 from .report import Row
 from .stats import summarize
+from .targets import TARGETS
 
 RESERVE_MIB = 1024
 MAX_CREATE_FAILURES = 3  # one failed create may be a hiccup; this many say the host has had enough
 CREATE_CONCURRENCY = 4
-DENSITY_TARGET = 200
+DENSITY_TARGET = int(TARGETS["density"].bound)
 
 
 def meminfo_mib() -> dict[str, float]:
@@ -51,16 +53,39 @@ def cpu_seconds(pids: list[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def rss_pss_mib(pid: int) -> tuple[float, float]:
-    """RSS and PSS of a process, from smaps_rollup; zeros for a process that is gone."""
-    rss = pss = 0.0
+# Where a sandbox's own host RAM goes, from its QEMU's /proc/<pid>/smaps: anonymous pages of the
+# guest RAM mapping (pages the guest wrote since its restore: copies of the shared memory image's),
+# of the TCG translation buffer (QEMU's only executable anonymous mapping), of everything else
+# anonymous (heap, thread stacks, device buffers), and its page tables.
+PARTS = ("guest_ram_written", "tcg_code", "qemu_other_anon", "page_tables")
+
+
+def qemu_memory_mib(pid: int, guest_mib: int) -> dict[str, float]:
+    """RSS, PSS and `PARTS` of a QEMU process in MiB; zeros for a process that is gone.
+
+    The guest RAM mapping is the file mapping of exactly `guest_mib` (the clone's memory image).
+    """
+    usage = dict.fromkeys(("rss", "pss", *PARTS), 0.0)
+    part = "qemu_other_anon"
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1]) / 1024
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1]) / 1024
-    return rss, pss
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            field, _, rest = line.partition(" ")
+            if not field.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+                start, end = (int(a, 16) for a in field.split("-"))
+                words = rest.split()
+                if len(words) > 4 and end - start == guest_mib << 20:
+                    part = "guest_ram_written"
+                elif len(words) == 4 and "x" in words[0]:
+                    part = "tcg_code"
+                else:
+                    part = "qemu_other_anon"
+            elif field in ("Rss:", "Pss:", "Anonymous:"):
+                key = part if field == "Anonymous:" else field[:-1].lower()
+                usage[key] += int(rest.split()[0]) / 1024
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmPTE:"):
+                usage["page_tables"] = int(line.split()[1]) / 1024
+    return usage
 
 
 async def density(ctx: Context) -> list[Row]:
@@ -99,15 +124,17 @@ async def density(ctx: Context) -> list[Row]:
 
         used = host_used_mib() - before if before is not None else None
         load = os.getloadavg() if local else None
-        usage = [rss_pss_mib(pid) for pid in pids]
-        rss, pss = sum(u[0] for u in usage), sum(u[1] for u in usage)
+        memory_mib = (await ctx.client.detail(ids[0]))["memoryMB"] if ids else 0
+        usage = [qemu_memory_mib(pid, memory_mib) for pid in pids]
+        totals = {key: sum(u[key] for u in usage) for key in usage[0]} if usage else {}
+        rss, pss = totals.get("rss", 0.0), totals.get("pss", 0.0)
+        owned = {part: round(totals[part] / len(usage), 2) for part in PARTS} if usage else {}
 
         async def alive(sandbox_id: str) -> bool:
             detail = await ctx.client.detail(sandbox_id)
             return detail["state"] == "running" and await ctx.client.envd_healthy(sandbox_id)
 
         checks = await bounded(8, [lambda i=i: alive(i) for i in ids])
-        memory_mib = (await ctx.client.detail(ids[0]))["memoryMB"] if ids else 0
     healthy = sum(1 for c in checks if c is True)
     configured = len(ids) * memory_mib
     details: dict[str, Any] = {
@@ -122,6 +149,7 @@ async def density(ctx: Context) -> list[Row]:
         "host_ram_used_mib": used,
         "qemu_rss_mib": rss if local else None,
         "qemu_pss_mib": pss if local else None,
+        "qemu_owned_mib_per_sandbox": owned if local else None,
         "load_average": load,
         "idle_cpu_cores": idle_cores if local else None,
     }
@@ -143,10 +171,18 @@ async def density(ctx: Context) -> list[Row]:
     assert load is not None
     overcommit = summarize("idle density: overcommit (guest RAM / host RAM)", [configured / used], unit="x")
     usage_note = (
-        f"{configured} MiB guest RAM on +{used:.0f} MiB host RAM (MemTotal-MemAvailable); QEMU RSS "
+        f"{configured} MiB guest RAM on +{used:.0f} MiB host RAM (MemTotal-MemAvailable); each QEMU owns "
+        + ", ".join(f"{part.replace('_', ' ')} {mib:.1f}" for part, mib in owned.items())
+        + " MiB; QEMU RSS "
         f"{rss:.0f} MiB, PSS {pss:.0f} MiB; idle, their QEMU processes used {idle_cores:.2f} cores "
         f"({100 * idle_cores / len(ids):.2f} % of a core each); load average "
         f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}"
     )
     per_sandbox = summarize("idle density: host RAM per sandbox", [used / len(ids)], unit="MiB")
-    return [*rows, Row("density-overcommit", overcommit, note=usage_note), Row("density-ram", per_sandbox)]
+    cpu = summarize("idle density: CPU per idle sandbox", [100 * idle_cores / len(ids)], unit="%")
+    return [
+        *rows,
+        Row("density-overcommit", overcommit, note=usage_note),
+        Row("density-ram", per_sandbox),
+        Row("density-cpu", cpu, note="share of one host core each idle sandbox's QEMU process used"),
+    ]

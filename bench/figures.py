@@ -16,10 +16,12 @@ import time
 from typing import Any
 
 from .context import SETTLE, Context, Sandboxes, bounded
+from .node import BenchError
 from .report import Row
 from .stats import summarize
 
 MARKER = "/tmp/bench-dirtied"
+RELEASE_GRACE = 60.0  # seconds past its parking time a busy node may take to end a parked process
 
 
 def _ms(started: float) -> float:
@@ -110,37 +112,101 @@ async def pause_resume(ctx: Context) -> list[Row]:
     ]  # fmt: skip
 
 
-async def snapshot(ctx: Context) -> list[Row]:
+async def released(ctx: Context, sandbox_id: str) -> float:
+    """Once a paused sandbox's parked QEMU process is gone (the node ends it after its parking
+    time), the seconds that took; a resume then restores the sandbox from its files."""
+    node = ctx.node
+    if node.process_kept(sandbox_id) is None or node.park_seconds is None:
+        raise BenchError("whether the node released a parked process is only visible on this host")
+    started = time.monotonic()
+    while node.process_kept(sandbox_id):
+        if time.monotonic() - started > node.park_seconds + RELEASE_GRACE:
+            raise BenchError(f"the node kept {sandbox_id}'s process past {node.park_seconds:g} s")
+        await asyncio.sleep(0.1)
+    return time.monotonic() - started
+
+
+async def resume_released(ctx: Context) -> list[Row]:
+    """Resume of a paused sandbox after the node let its parked process go: a new QEMU process on
+    the sandbox's saved memory, as after any release (age, count, host memory) or a node restart."""
     plan = ctx.plan
-    samples, deltas = [], []
+    resumes, waits = [], []
+    async with Sandboxes(ctx.client) as sandboxes:
+        sandbox = await sandboxes.create()
+        sandbox_id = sandbox["sandboxID"]
+        await ctx.client.run(sandbox, dirty_command(plan.dirty_mib))
+        for _ in range(plan.released):
+            await ctx.client.pause(sandbox_id)
+            waits.append(round(await released(ctx, sandbox_id), 1))
+            await asyncio.sleep(SETTLE)
+            started = time.perf_counter()
+            await ctx.client.resume(sandbox_id)
+            resumes.append(_ms(started))
+    note = (
+        f"one sandbox, {plan.released} rounds of pause, the node ending its parked process "
+        f"(after {waits} s), resume; its guest changed {plan.dirty_mib} MiB and keeps it"
+    )
+    figure = summarize(f"resume after release ({plan.dirty_mib} MiB changed)", resumes)
+    return [Row("resume-released", figure, await ctx.restore_floor(), "bare restore", note=note)]
+
+
+async def _timed_snapshot(ctx: Context, sandbox: dict[str, Any]) -> tuple[float, float, int | None]:
+    """One snapshot of the sandbox, deleted again: its answer time and the time until it was
+    durable (ms; it is committed in the background), and its memory delta size."""
+    started = time.perf_counter()
+    snap = await ctx.client.snapshot(sandbox["sandboxID"])
+    elapsed = _ms(started)
+    while not snap.get("durable", True):
+        await asyncio.sleep(0.02)
+        snap = await ctx.client.snapshot_info(snap["snapshotID"])
+    durable = _ms(started)
+    size = ctx.node.snapshot_delta_bytes(snap["snapshotID"])
+    await ctx.client.delete_snapshot(snap["snapshotID"])
+    return elapsed, durable, size
+
+
+async def snapshot(ctx: Context) -> list[Row]:
+    """Snapshots after the guest wrote a large file, over snapshots of the same sandbox before it
+    wrote anything (the floor: what a snapshot costs the node when there is little to capture)."""
+    plan = ctx.plan
+    samples, durable, deltas, unwritten = [], [], [], []
     write_s = []
     async with Sandboxes(ctx.client) as sandboxes:
         sandbox = await sandboxes.create()
+        for _ in range(plan.snapshot):
+            await asyncio.sleep(SETTLE)
+            unwritten.append((await _timed_snapshot(ctx, sandbox))[0])
         for i in range(plan.snapshot):
             started = time.perf_counter()
             await ctx.client.run(sandbox, write_command(f"/root/bench-{i}.bin", plan.snapshot_write_mib))
             write_s.append(round(time.perf_counter() - started, 1))
             await asyncio.sleep(SETTLE)
-            started = time.perf_counter()
-            snap = await ctx.client.snapshot(sandbox["sandboxID"])
-            samples.append(_ms(started))
-            if (size := ctx.node.snapshot_delta_bytes(snap["snapshotID"])) is not None:
+            elapsed, durable_ms, size = await _timed_snapshot(ctx, sandbox)
+            samples.append(elapsed)
+            durable.append(durable_ms)
+            if size is not None:
                 deltas.append(size)
-            await ctx.client.delete_snapshot(snap["snapshotID"])
             await ctx.client.run(sandbox, f"rm -f /root/bench-{i}.bin")
     written = f"{plan.snapshot_write_mib} MiB" if plan.snapshot_write_mib < 1024 else "1 GiB"
     note = f"before each snapshot the guest wrote {written} to a new file with fsync (took {write_s} s)"
     if deltas:
         sizes = [_mib(d) for d in deltas]
         note += f"; memory delta per snapshot {sizes} MiB (mostly the guest's page cache of the file)"
+    note += f"; floor: median of {len(unwritten)} snapshots of the same sandbox before it wrote anything"
+    details: dict[str, Any] = {"delta_bytes": deltas, "durable_ms": durable, "unwritten_ms": unwritten}
+    if (save := await ctx.save_floor()) is not None:
+        details["bare_save_ms"] = save
+        note += f" (bare stop+save: {save:.1f} ms)"
     figure = summarize(f"snapshot after writing {written}", samples)
-    floor = await ctx.save_floor()
-    return [Row("snapshot", figure, floor, "bare stop+save", note=note, details={"delta_bytes": deltas})]
+    floor = statistics.median(unwritten)
+    return [Row("snapshot", figure, floor, "nothing written", note=note, details=details)]
 
 
 async def fork(ctx: Context) -> list[Row]:
+    """Fork into `fork_count` until the node answers (every child's envd took its `/init`), and
+    until a command then ran in every child: what a user can do next."""
     count = ctx.plan.fork_count
-    samples = []
+    samples, usable = [], []
     async with Sandboxes(ctx.client) as sandboxes:
         source = await sandboxes.create()
         for _ in range(ctx.plan.fork):
@@ -150,12 +216,19 @@ async def fork(ctx: Context) -> list[Row]:
             samples.append(_ms(started))
             for child in children:
                 sandboxes.track(child)
+            await asyncio.gather(*(ctx.client.run(child, "true") for child in children))
+            usable.append(_ms(started))
             for child in children:
                 await sandboxes.kill(child["sandboxID"])
     floor = await ctx.concurrent_restores(count)
+    wall = floor[1] if floor else None
     note = f"floor: wall clock of {count} bare restores at once" if floor else ""
-    figure = summarize(f"fork into {count}, all envd-ready", samples)
-    return [Row("fork", figure, floor[1] if floor else None, f"{count} bare restores", note=note)]
+    name = f"{count} bare restores"
+    return [
+        Row("fork", summarize(f"fork into {count}, all envd-ready", samples), wall, name, note=note),
+        Row("fork-usable", summarize(f"fork into {count}, then `true` ran in each", usable), wall, name,
+            note="from the fork request until a command run through the proxy had ended in every child"),
+    ]  # fmt: skip
 
 
 async def concurrent_resume(ctx: Context) -> list[Row]:
@@ -193,11 +266,10 @@ async def concurrent_resume(ctx: Context) -> list[Row]:
         note += f"; {len(errors)} failed: {errors[0]}"
     if floor:
         details |= {"floor_wall_ms": floor[1], "floor_p99_ms": summarize("", floor[0]).p99}
-        note += (
-            f"; floor: median of {count} bare restores at once (their p99 {details['floor_p99_ms']:.0f} ms)"
-        )
-    floor_median = statistics.median(floor[0]) if floor else None
+        details["floor_median_ms"] = median = statistics.median(floor[0])
+        note += f"; floor: p99 of {count} bare restores at once (their median {median:.0f} ms)"
+    floor_p99 = details.get("floor_p99_ms")
     figure = summarize(f"{count} concurrent resumes (per request)", samples)
     return [
-        Row("concurrent-resume", figure, floor_median, f"{count} bare restores", note=note, details=details)
+        Row("concurrent-resume", figure, floor_p99, f"p99, {count} bare restores", note=note, details=details)
     ]

@@ -3,7 +3,9 @@
 A node the harness starts is an `aenv.devnode.DevNode`: a real `aenv server` subprocess in a
 session of its own (so Ctrl-C reaches only the harness, which then stops it in order). It gets
 network slots of its own (12288…, apart from the test suites' 4096 and 8192), `shutdown_action=kill`
-so SIGTERM ends its sandboxes, and a long default timeout so no sandbox expires mid-run. Its home
+so SIGTERM ends its sandboxes, a long default timeout so no sandbox expires mid-run, and a short
+parking time (`PARK_SECONDS`) so that the resume of a sandbox whose parked process the node has
+released can be measured without waiting the default five minutes. Its home
 may be seeded with the `base` template of another home (`--seed`), else its first start builds
 one. Stopping it removes what it may have left behind (QEMU processes under its home, the
 namespaces of its slot range and of its template builds) and the temporary directory.
@@ -30,6 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 SLOT_FIRST = 12288
 SLOT_COUNT = 1024
 DEFAULT_TIMEOUT = 6 * 3600  # seconds: longer than any run, so the TTL never ends a sandbox early
+# Seconds a paused sandbox keeps its QEMU process: longer than any figure takes between a pause
+# and its resume (50 pauses of the concurrent resume included), short enough to wait for.
+PARK_SECONDS = 10.0
 
 
 class BenchError(RuntimeError):
@@ -45,6 +50,7 @@ class Node:
     home: Path | None = None
     pid: int | None = None
     warm_pool: int | None = None  # warm VMs per template the node keeps, when known
+    park_seconds: float | None = None  # how long a paused sandbox keeps its process, when known
 
     @property
     def local(self) -> bool:
@@ -120,6 +126,7 @@ class LocalNode:
         self.dev = DevNode(
             self.workdir / "home", slot_first=SLOT_FIRST, slot_count=SLOT_COUNT, seed=seed,
             log_path=self.workdir / "node.log", shutdown_action="kill", default_timeout=DEFAULT_TIMEOUT,
+            park_seconds=PARK_SECONDS,
         )  # fmt: skip
 
     def __enter__(self) -> Node:
@@ -130,7 +137,14 @@ class LocalNode:
             raise
         dev = self.dev
         pool = Settings.warm_pool_size  # the node's default: the harness sets none
-        return Node(url=dev.url, api_key=dev.key, home=dev.home, pid=dev.pid, warm_pool=pool)
+        return Node(
+            url=dev.url,
+            api_key=dev.key,
+            home=dev.home,
+            pid=dev.pid,
+            warm_pool=pool,
+            park_seconds=PARK_SECONDS,
+        )
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

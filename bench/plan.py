@@ -14,37 +14,43 @@ class Plan:
     floor_samples: int
     create: int
     pause_resume: int  # rounds of pause then resume on one sandbox
+    released: int  # rounds of pause, the node releasing the parked process, then resume
     dirty_mib: int  # memory the guest changes before its pauses
     snapshot: int
     snapshot_write_mib: int  # written to the guest's disk (with fsync) before each snapshot
     fork: int
     fork_count: int
     concurrent: int  # sandboxes resumed at once
+    loaded_idle: int  # idle sandboxes on the node while create and resume are measured again
+    loaded: int  # create and resume samples, on the empty node and then with the idle ones
     proxy_rtt: int  # commands.run("true") calls per path
     throughput_mib: int
     throughput_rounds: int  # downloads per path, alternating direct and proxied
     density: int
     density_idle_s: float
     soak: int  # create → exec → pause → resume → kill cycles
+    template_build: int  # rounds of empty, cold and cached template builds
 
 
 MODES: dict[str, Plan] = {
     "smoke": Plan(
         figures=("create", "pause", "resume", "proxy-rtt"),
-        floor_samples=2, create=2, pause_resume=2, dirty_mib=64, snapshot=1, snapshot_write_mib=64,
-        fork=1, fork_count=4, concurrent=4, proxy_rtt=5, throughput_mib=16, throughput_rounds=1,
-        density=4, density_idle_s=2, soak=3,
+        floor_samples=2, create=2, pause_resume=2, released=1, dirty_mib=64, snapshot=1,
+        snapshot_write_mib=64, fork=1, fork_count=4, concurrent=4, loaded_idle=2, loaded=2, proxy_rtt=5,
+        throughput_mib=16, throughput_rounds=1, density=4, density_idle_s=2, soak=3, template_build=1,
     ),
     "quick": Plan(
         figures=FIGURES,
-        floor_samples=5, create=5, pause_resume=5, dirty_mib=64, snapshot=2, snapshot_write_mib=1024,
-        fork=1, fork_count=16, concurrent=16, proxy_rtt=30, throughput_mib=256, throughput_rounds=2,
-        density=24, density_idle_s=10, soak=10,
+        floor_samples=5, create=5, pause_resume=5, released=3, dirty_mib=64, snapshot=2,
+        snapshot_write_mib=1024, fork=1, fork_count=16, concurrent=16, loaded_idle=16, loaded=5,
+        proxy_rtt=30, throughput_mib=256, throughput_rounds=2, density=24, density_idle_s=10, soak=10,
+        template_build=1,
     ),
     "full": Plan(
         figures=FIGURES,
-        floor_samples=20, create=20, pause_resume=20, dirty_mib=64, snapshot=5, snapshot_write_mib=1024,
-        fork=3, fork_count=16, concurrent=50, proxy_rtt=100, throughput_mib=1024, throughput_rounds=3,
-        density=200, density_idle_s=60, soak=1000,
+        floor_samples=20, create=20, pause_resume=20, released=10, dirty_mib=64, snapshot=5,
+        snapshot_write_mib=1024, fork=3, fork_count=16, concurrent=50, loaded_idle=200, loaded=10,
+        proxy_rtt=100, throughput_mib=1024, throughput_rounds=3, density=500, density_idle_s=60, soak=1000,
+        template_build=3,
     ),
 }  # fmt: skip

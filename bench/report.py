@@ -13,7 +13,8 @@ from .targets import TARGETS, Target
 
 @dataclass
 class Row:
-    """One line of the table. `floor` is the floor's median, in the figure's unit; `evaluate=False`
+    """One line of the table. `floor` is the floor's value, in the figure's unit, of the statistic
+    a ratio target compares (the median unless the target names another); `evaluate=False`
     reports the target without judging it (a mode too small for it, e.g. 24 sandboxes of 200)."""
 
     key: str
@@ -30,18 +31,27 @@ class Row:
 
     @property
     def ratio(self) -> float | None:
-        """Median over the floor's median: the node's overhead (or, for throughput, its share of direct)."""
+        """The figure over its floor, in the statistic the target compares (the median if none):
+        the node's overhead (or, for throughput, its share of direct). `floor` holds the floor's
+        value of that same statistic."""
         if self.floor is None or self.floor == 0:
             return None
-        return self.figure.median / self.floor
+        target = self.target
+        statistic = target.statistic if target is not None and target.ratio else "median"
+        return getattr(self.figure, statistic) / self.floor
 
     @property
     def met(self) -> bool | None:
-        """Whether the target holds; None when there is none, it is not judged, or its input is missing."""
+        """Whether the target (and its cap) holds; None when there is none, it is not judged, or
+        its input is missing."""
         target = self.target
         if target is None or not self.evaluate:
             return None
-        if target.statistic == "ratio":
+        judged = [self._holds(t) for t in (target, target.cap) if t is not None]
+        return None if None in judged else all(judged)
+
+    def _holds(self, target: Target) -> bool | None:
+        if target.ratio:
             value = self.ratio
         elif target.statistic == "value":
             value = self.figure.median
@@ -55,6 +65,7 @@ class Row:
             "key": self.key,
             **self.figure.as_dict(),
             "target": str(target) if target else None,
+            "previous_target": target.previous or None if target else None,
             "floor": self.floor,
             "floor_name": self.floor_name or None,
             "ratio": self.ratio,
@@ -73,10 +84,11 @@ _COLUMNS = (
     ("min", 9, ">"),
     ("max", 9, ">"),
     ("n", 4, ">"),
-    ("target", 17, "<"),
     ("floor", 8, ">"),
     ("ratio", 7, ">"),
+    ("target", 28, "<"),
     ("met", 4, "<"),
+    ("old target", 16, "<"),
 )
 
 
@@ -99,11 +111,22 @@ def table(rows: list[Row]) -> str:
         spread = ["", "", "", ""] if f.count == 1 else [_number(v) for v in (f.p95, f.p99, f.min, f.max)]
         met = {True: "yes", False: "NO", None: "-"}[row.met]
         target = str(row.target) if row.target else ""
+        previous = row.target.previous if row.target else ""
         ratio = f"{row.ratio:.2f}x" if row.ratio is not None else ("n/a" if row.floor_name else "")
         floor = _number(row.floor) if row.floor_name else ""
-        lines.append(
-            _line([f.name, f.unit, _number(f.median), *spread, str(f.count), target, floor, ratio, met])
-        )
+        cells = [
+            f.name,
+            f.unit,
+            _number(f.median),
+            *spread,
+            str(f.count),
+            floor,
+            ratio,
+            target,
+            met,
+            previous,
+        ]
+        lines.append(_line(cells))
         if row.note:
             notes.append(f"  {f.name}: {row.note}")
     if notes:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import dataplane, density, figures, soak
+from . import dataplane, density, figures, loaded, soak, templates
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
@@ -36,16 +36,19 @@ MEASURES: dict[str, Measure] = {
     "create": figures.create,
     "pause": figures.pause_resume,
     "resume": figures.pause_resume,
+    "resume-released": figures.resume_released,
     "snapshot": figures.snapshot,
     "fork": figures.fork,
     "concurrent-resume": figures.concurrent_resume,
+    "loaded": loaded.loaded,
     "proxy-rtt": dataplane.proxy_rtt,
     "proxy-throughput": dataplane.proxy_throughput,
     "density": density.density,
     "soak": soak.soak,
+    "template-build": templates.template_build,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
-_BASE_FLOORED = {"create", "pause", "resume", "snapshot"}
+_BASE_FLOORED = {"create", "pause", "resume", "resume-released", "snapshot"}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,12 @@
-"""The node's performance targets, in one table: which statistic of which figure must stay within what."""
+"""The node's performance targets, in one table: which statistic of which figure must stay within what.
+
+Absolute milliseconds move 2-3x between the shared 2-core hosts this runs on, so a latency's
+target is a ratio to its floor, measured on the same host in the same run (`bench.floors`, or
+the same figure on an empty node): `ratio` compares the figure's `statistic` with the floor's
+same statistic. A target may also carry an absolute `cap` that must hold as well, and keeps the
+absolute target it replaced (`previous`) as a reference column. The bounds are issue 14's,
+judged by `make bench BENCH_MODE=full` on a 2-core TCG host.
+"""
 
 from __future__ import annotations
 
@@ -10,45 +18,79 @@ FIGURES = (
     "create",
     "pause",
     "resume",
+    "resume-released",
     "snapshot",
     "fork",
     "concurrent-resume",
+    "loaded",
     "proxy-rtt",
     "proxy-throughput",
     "density",
     "soak",
+    "template-build",
 )
 
 
 @dataclass(frozen=True)
 class Target:
-    """`statistic op bound`: a summary statistic (`median`, `p99`, …), `ratio` to the floor, or `value`."""
+    """`statistic op bound`, of the figure itself or (`ratio`) of the figure over its floor.
+
+    `statistic` is a summary statistic (`median`, `p99`, …) or `value` (a one-sample figure).
+    """
 
     statistic: str
     op: str  # "<=" or ">="
     bound: float
     unit: str = ""
+    ratio: bool = False
+    cap: Target | None = None  # an absolute bound that must hold too
+    previous: str = ""  # the absolute target this one replaced, shown for reference
 
     def holds(self, value: float) -> bool:
         return {"<=": operator.le, ">=": operator.ge}[self.op](value, self.bound)
 
     def __str__(self) -> str:
         bound = f"{self.bound:g}"
-        unit = self.unit if self.unit in ("", "x", "%") else f" {self.unit}"
-        name = "" if self.statistic == "value" else f"{self.statistic} "
-        return f"{name}{self.op} {bound}{unit}"
+        if self.ratio:
+            name = "" if self.statistic == "median" else f"{self.statistic} "
+            text = f"{name}{self.op} {bound}x floor"
+        else:
+            unit = self.unit if self.unit in ("", "x", "%") else f" {self.unit}"
+            name = "" if self.statistic == "value" else f"{self.statistic} "
+            text = f"{name}{self.op} {bound}{unit}"
+        return text if self.cap is None else f"{text}, {self.cap}"
+
+
+def _ratio(statistic: str, op: str, bound: float, previous: str = "", cap: Target | None = None) -> Target:
+    return Target(statistic, op, bound, "x", ratio=True, cap=cap, previous=previous)
 
 
 TARGETS: dict[str, Target] = {
-    "create": Target("median", "<=", 20, "ms"),
-    "pause": Target("median", "<=", 15, "ms"),
-    "resume": Target("median", "<=", 20, "ms"),
-    "snapshot": Target("median", "<=", 50, "ms"),
-    "fork": Target("median", "<=", 300, "ms"),
-    "concurrent-resume": Target("p99", "<=", 250, "ms"),
-    "proxy-rtt": Target("ratio", "<=", 1.5, "x"),
-    "proxy-throughput": Target("ratio", ">=", 0.8, "x"),
-    "density": Target("value", ">=", 200, "sandboxes"),
-    "density-overcommit": Target("value", ">=", 12, "x"),
+    # floor: the bare restore (spawn + migrate-incoming of the template, nothing else)
+    "create": _ratio("median", "<=", 0.20, "median <= 20 ms"),
+    "resume": _ratio("median", "<=", 0.20, "median <= 20 ms"),
+    "resume-released": _ratio("median", "<=", 1.5),
+    # floor: bare QMP stop + device-state save
+    "pause": _ratio("median", "<=", 2.0, "median <= 15 ms"),
+    # floor: a snapshot of the same sandbox before it wrote anything
+    "snapshot": _ratio("median", "<=", 3.0, "median <= 50 ms", cap=Target("median", "<=", 100, "ms")),
+    # floor: as many bare restores at once (wall clock until the last one runs)
+    "fork": _ratio("median", "<=", 1.5, "median <= 300 ms"),
+    # floor: the p99 of as many bare restores at once
+    "concurrent-resume": _ratio("p99", "<=", 0.5, "p99 <= 250 ms"),
+    # floor: the same figure on the same node before the idle sandboxes were created
+    "loaded-create": _ratio("median", "<=", 1.3),
+    "loaded-resume": _ratio("median", "<=", 1.3),
+    # floor: the same requests straight to the guest
+    "proxy-rtt": _ratio("median", "<=", 1.1, "ratio <= 1.5x"),
+    "proxy-throughput": _ratio("median", ">=", 0.9, "ratio >= 0.8x"),
+    "density": Target("value", ">=", 500, "sandboxes", previous=">= 200 sandboxes"),
+    "density-overcommit": Target("value", ">=", 20, "x", previous=">= 12x"),
+    "density-ram": Target("value", "<=", 25, "MiB"),
+    "density-cpu": Target("value", "<=", 0.3, "%"),
     "soak": Target("value", "<=", 0, "count"),
+    # three small steps cost less than two builds without steps; a rebuild whose steps are all
+    # cached costs what a build without steps costs
+    "template-build": _ratio("median", "<=", 3),
+    "template-build-cached": _ratio("median", "<=", 1.5),
 }

@@ -48,8 +48,9 @@ log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
 IO_THREADS = 64
-# What QEMU writes under the home: disk layers, VM directories, warm VMs, repository staging.
-VMM_WRITABLE = ("layers", "sandboxes", "runtime", "repository")
+# What QEMU writes under the home: disk layers, VM directories, warm VMs, repository staging
+# (`staging` and `pending` are an s3 repository's, whose captures are local files).
+VMM_WRITABLE = ("layers", "sandboxes", "runtime", "repository", "staging", "pending")
 
 
 def api_key(settings: Settings) -> str:
@@ -117,7 +118,7 @@ class Node:
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime,
+            runtime=self.storage.runtime, durable_pauses=self.storage.shared,
         )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
@@ -127,6 +128,8 @@ class Node:
         volume_store.in_use = self.orchestrator.volume_users
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
+        if pending := engine.recover_pending():
+            log.info("committing %d snapshots a previous node process answered but did not commit", pending)
         template = await self._base_template(engine, settings)
         # After recovery and the base template: collection must know every layer they use.
         self.housekeeper = Housekeeper(engine, settings.gc_interval)

@@ -68,7 +68,9 @@ def assert_json_error(response: httpx.Response, status: int) -> str:
 # --- schemas ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", [schemas.ConnectSandbox, schemas.ForkRequest, schemas.ResumeSandbox])
+@pytest.mark.parametrize(
+    "model", [schemas.ConnectSandbox, schemas.ForkRequest, schemas.ResumeSandbox, schemas.TakeOver]
+)
 @pytest.mark.parametrize("timeout", [3601, 2147483648, 10**30])
 def test_timeouts_capped_by_the_node_setting(model: type, timeout: int) -> None:
     with pytest.raises(ValidationError, match="at most 3600 seconds"):
@@ -136,7 +138,14 @@ def test_openapi_document_declares_the_constraints() -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/sandboxes/isbx/connect", "/v2/sandboxes/isbx/connect", "/sandboxes/isbx/fork", "/v2/sandboxes"]
+    "path",
+    [
+        "/sandboxes/isbx/connect",
+        "/v2/sandboxes/isbx/connect",
+        "/sandboxes/isbx/fork",
+        "/sandboxes/isbx/takeover",
+        "/v2/sandboxes",
+    ],
 )
 @pytest.mark.parametrize(
     "body",

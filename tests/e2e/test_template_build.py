@@ -19,6 +19,7 @@ from e2b import Sandbox, Template, wait_for_file
 from e2b.exceptions import BuildException
 
 from tests.e2e.conftest import NodeServer
+from tests.e2e.test_js_sdk import installed_sdk, run_script
 from tests.template.conftest import run_registry
 from tests.template.debian import debian_layout
 
@@ -109,10 +110,11 @@ def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:
     template = (
         Template().from_template("base").set_envs({"MARK": "from-base"}).run_cmd("echo $MARK > /tmp/mark")
     )
-    Template.build(template, "e2e-on-base")
+    Template.build(template, "e2e-on-base", min_free_disk_mb=6000)
     sandbox = Sandbox.create("e2e-on-base")
     try:
         assert run(sandbox, "cat /tmp/mark; whoami") == "from-base\nuser"
+        assert int(run(sandbox, "df -Pm / | awk 'NR==2 {print $4}'")) >= 6000  # base has less
     finally:
         sandbox.kill()
 
@@ -129,6 +131,12 @@ def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:
     assert not any("aenv-b" in name for name in node.owned_netns())
     with pytest.raises(Exception):  # noqa: B017 - nothing was committed under the name
         Sandbox.create("e2e-failing")
+
+    # a start command that fails ends the build at once, with its exit code, at finalize
+    broken_start = Template().from_template("e2e-on-base").set_start_cmd("exit 4", "false")
+    with pytest.raises(BuildException, match="finalize") as failure:
+        Template.build(broken_start, "e2e-failing")
+    assert "'exit 4' exited with code 4" in str(failure.value)
     delete_template(node, "e2e-on-base")
 
 
@@ -155,6 +163,44 @@ def test_uploads_need_a_valid_signature(node: NodeServer) -> None:
     with httpx.Client(base_url=node.url, headers=headers) as api:
         # stored but not trusted: only a build that checked it against its hash marks it present
         assert api.get(f"/templates/{template_id}/files/{'a' * 64}").json()["present"] is False
+
+
+JS_BUILD = r"""
+import { Sandbox, Template, waitForFile } from 'e2b'
+
+const opts = { apiKey: process.env.AENV_E2E_KEY, apiUrl: process.env.AENV_E2E_URL,
+               sandboxUrl: process.env.AENV_E2E_URL }
+const template = Template({ fileContextPath: new URL('js-context', import.meta.url).pathname })
+  .fromTemplate('base')
+  .copy('notes.txt', '/opt/js/')
+  .setEnvs({ FROM_JS: 'npm' })
+  .runCmd('echo built-by-$FROM_JS > /opt/js/built.txt', { user: 'root' })
+  .setStartCmd('sleep 86400 & touch /tmp/js-started; wait', waitForFile('/tmp/js-started'))
+const logs = []
+const info = await Template.build(template, 'e2e-js:v1',
+                                  { ...opts, onBuildLogs: (e) => logs.push(e.message) })
+const sbx = await Sandbox.create('e2e-js:v1', opts)
+try {
+  const check = 'cat /opt/js/notes.txt /opt/js/built.txt; pgrep -x sleep >/dev/null && echo kept'
+  const run = await sbx.commands.run(check)
+  console.log(JSON.stringify({ name: info.name, templateId: info.templateId, out: run.stdout, logs }))
+} finally {
+  await sbx.kill()
+}
+"""
+
+
+def test_npm_sdk_builds_a_template(node: NodeServer, tmp_path: Path) -> None:
+    sdk = installed_sdk(tmp_path)
+    context = sdk / "js-context"
+    context.mkdir(exist_ok=True)
+    (context / "notes.txt").write_text("from the npm context\n")
+    outcome = run_script(node, sdk, "build.mjs", JS_BUILD)
+    assert outcome["templateId"] == "e2e-js", outcome
+    # the COPY, the ENV expanded by the RUN, and the start command kept running in the snapshot
+    assert outcome["out"] == "from the npm context\nbuilt-by-npm\nkept\n", outcome
+    assert any("[start cmd]" in line for line in outcome["logs"]), outcome["logs"]
+    delete_template(node, "e2e-js")
 
 
 def aenv_cli(node: NodeServer, *args: str) -> subprocess.CompletedProcess[str]:

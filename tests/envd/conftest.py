@@ -45,6 +45,7 @@ def run_envd(
     token: str | None = None,
     env_vars: dict[str, str] | None = None,
     state_file: Path | None = None,
+    host_peer: str | None = None,
 ) -> Iterator[EnvdProcess]:
     """Start envd on a free loopback port, wait for /health, optionally /init it; always stop it."""
     port = free_port()
@@ -67,6 +68,7 @@ def run_envd(
                 "--default-workdir",
                 str(workdir),
                 *(["--state-file", str(state_file)] if state_file else []),
+                *(["--host-peer", host_peer] if host_peer else []),
             ],
             stdout=logf,
             stderr=subprocess.STDOUT,

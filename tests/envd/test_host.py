@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import gzip
+import http.client
 import json
 import os
 import struct
@@ -500,3 +501,31 @@ def test_fifos_are_refused_not_waited_on(envd_server, tmp_path):
         _assert_json_error(httpx.post(url, params={"path": str(fifo)}, content=b"x", headers=raw), 400)
     r = _unary(envd_server, "filesystem.Filesystem/Stat", {"path": str(fifo)})
     assert r.status_code == 200
+
+
+def test_the_nodes_init_is_answered_before_aiohttp_and_the_rest_by_aiohttp(tmp_path):
+    """From the host peer, well-formed `/init`s on a kept-alive connection are answered by the
+    short path (no aiohttp `Server` header); the first other request hands the connection to
+    aiohttp, which then also answers `/init` (with its errors for bad bodies)."""
+    with run_envd(tmp_path, host_peer="127.0.0.1") as envd:
+        conn = http.client.HTTPConnection(envd.url.removeprefix("http://"), timeout=10)
+
+        def call(
+            method: str, path: str, body: bytes | None = None, token: str = ""
+        ) -> tuple[int, dict, bytes]:
+            conn.request(method, path, body=body, headers={"X-Access-Token": token} if token else {})
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+
+        for body in ({"accessToken": "t0k", "envVars": {"A": "1"}}, {"envVars": {"B": "2"}}):
+            status, headers, _ = call("POST", "/init", json.dumps(body).encode())
+            assert status == 204 and "Server" not in headers
+        status, headers, answer = call("GET", "/envs", token="t0k")
+        assert (status, json.loads(answer)) == (200, {"A": "1", "B": "2"}) and "Server" in headers
+        status, headers, answer = call("POST", "/init", b"[1")
+        assert status == 400 and json.loads(answer)["message"] == "invalid JSON body"
+        fresh = http.client.HTTPConnection(envd.url.removeprefix("http://"), timeout=10)
+        fresh.request("POST", "/init", body=b'{"defaultUser": "a\\u0000b"}')
+        refused = fresh.getresponse()
+        assert refused.status == 400 and "NUL" in json.loads(refused.read())["message"]
+        assert httpx.get(envd.url + "/envs", headers={"X-Access-Token": "t0k"}).json() == {"A": "1", "B": "2"}

@@ -125,6 +125,25 @@ def test_two_nodes_committing_one_id_have_one_winner(open_repo):
         a.commit(manifest)
 
 
+def test_one_node_claims_a_snapshot_and_the_claim_goes_with_it(open_repo):
+    a, b = open_repo("node-a"), open_repo("node-b")
+    manifest = committed(a, "paused")
+    winners: list[str] = []
+    threads = [threading.Thread(target=lambda r=r: winners.append(r.claim(manifest.id))) for r in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(winners)) == 1 and a.claimant(manifest.id) == b.claimant(manifest.id) == winners[0]
+    loser, winner = (a, b) if winners[0] == "node-b" else (b, a)
+    loser.unclaim(manifest.id)  # not its claim: nothing changes
+    assert loser.claim(manifest.id) == winner.node
+    winner.unclaim(manifest.id)  # a failed take-over gives the snapshot back
+    assert loser.claim(manifest.id) == loser.node
+    loser.delete(manifest.id)
+    assert winner.claimant(manifest.id) is None
+
+
 def test_aliases_bind_once_across_nodes(open_repo):
     a, b = open_repo("node-a"), open_repo("node-b")
     first = committed(a, "one", alias="app")

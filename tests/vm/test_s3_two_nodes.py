@@ -1,25 +1,31 @@
-"""Two nodes sharing one S3 bucket (a real SeaweedFS): a snapshot taken on A starts on B.
+"""Two nodes sharing one S3 bucket (a real SeaweedFS): a snapshot taken on A starts on B, and a
+sandbox paused on A resumes on B.
 
-Each node is a snapshot engine with its own home, layer store and runtime cache, opened from
-settings the way `aenv server` opens its storage. Node A builds a template and runs a sandbox
-from it, writes a file and a running process's state, and snapshots it; node B starts a
-sandbox from that snapshot through the repository alone (its cache starts empty) and finds both.
+In the first test each node is a snapshot engine with its own home, layer store and runtime
+cache, opened from settings the way `aenv server` opens its storage. Node A builds a template
+and runs a sandbox from it, writes a file and a running process's state, and snapshots it; node
+B starts a sandbox from that snapshot through the repository alone (its cache starts empty) and
+finds both. In the second, two real `aenv server`s (DevNodes) share the bucket: a sandbox
+paused on A (through the E2B SDK) is taken over by B, and A no longer has it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from aenv.config import Settings
+from aenv.devnode import DevNode
 from aenv.snapshot.engine import SnapshotEngine
 from aenv.storage.open import open_storage
 from aenv.vmm.accel import accelerator_from_env
-from tests.conftest import NodeLoop, SandboxManager
+from tests.conftest import NodeLoop, SandboxManager, wait_for
 from tests.storage.seaweed import S3Server, seaweedfs
 
 
@@ -29,16 +35,29 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
 
 
+SLOTS = (15360, 15616)  # the DevNodes' network slots, apart from every other node the suite starts
+
+
 @pytest.fixture(scope="module")
-def two_nodes(s3_server: S3Server, guest_artifacts, node_loop: NodeLoop, tmp_path_factory):
-    bucket = s3_server.new_bucket()
+def bucket(s3_server: S3Server) -> str:
+    return s3_server.new_bucket()
+
+
+def s3_settings(s3_server: S3Server, bucket: str) -> dict[str, str]:
+    return {
+        "repository": f"s3://{bucket}/cluster", "s3_endpoint": s3_server.endpoint,
+        "s3_region": s3_server.region, "s3_access_key": s3_server.access_key,
+        "s3_secret_key": s3_server.secret_key,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_nodes(s3_server: S3Server, bucket: str, guest_artifacts, node_loop: NodeLoop, tmp_path_factory):
     made = []
     for name in ("node-a", "node-b"):
         settings = Settings(
-            home_path=tmp_path_factory.mktemp(name), repository=f"s3://{bucket}/cluster",
-            s3_endpoint=s3_server.endpoint, s3_region=s3_server.region,
-            s3_access_key=s3_server.access_key, s3_secret_key=s3_server.secret_key,
-        ).validate()  # fmt: skip
+            home_path=tmp_path_factory.mktemp(name), **s3_settings(s3_server, bucket)
+        ).validate()  # type: ignore[arg-type]
         storage = open_storage(settings, name)
         engine = SnapshotEngine(
             settings.home_path, storage.repository, guest_artifacts, accelerator_from_env().accel,
@@ -53,10 +72,18 @@ def two_nodes(s3_server: S3Server, guest_artifacts, node_loop: NodeLoop, tmp_pat
         storage.heartbeat.stop()
 
 
-def test_snapshot_on_node_a_starts_on_node_b(two_nodes, node_loop: NodeLoop):
-    (engine_a, _, node_a), (engine_b, storage_b, node_b) = two_nodes
+@pytest.fixture(scope="module")
+def shared_template(two_nodes, node_loop: NodeLoop):
+    """A template in the bucket, built once by node A; bound as `base` too, for the DevNodes."""
+    engine_a = two_nodes[0][0]
     template = node_loop.run(engine_a.build_template("shared-base", memory_mib=256))
-    assert [m.id for m in engine_b.repository.list("template")] == [template.id]
+    engine_a.repository.set_alias("base", template.id)
+    return template
+
+
+def test_snapshot_on_node_a_starts_on_node_b(two_nodes, shared_template, node_loop: NodeLoop):
+    (engine_a, _, node_a), (engine_b, storage_b, node_b) = two_nodes
+    assert [m.id for m in engine_b.repository.list("template")] == [shared_template.id]
 
     source = node_a.start("shared-base")
     sdk = source.sdk()
@@ -95,3 +122,49 @@ def test_snapshot_on_node_a_starts_on_node_b(two_nodes, node_loop: NodeLoop):
     chain_owner = engine_b.runtime.top_layer(engine_b.repository.get("from-a"))
     assert str(chain_owner).startswith(str(layers_dir.parent))  # materialized in B's own home
     node_b.kill(copy.sandbox_id)
+
+
+@pytest.fixture
+def dev_nodes(s3_server: S3Server, bucket: str, shared_template, tmp_path: Path) -> Iterator[list[DevNode]]:
+    """Two `aenv server`s on the bucket (no warm VMs, no parked processes: less to wait for)."""
+    settings = {**s3_settings(s3_server, bucket), "warm_pool_size": 0, "park_seconds": 0}
+    nodes = [DevNode(tmp_path / name, slot_first=first, slot_count=64, **settings)
+             for name, first in zip(("a", "b"), SLOTS, strict=True)]  # fmt: skip
+    try:
+        for node in nodes:
+            node.start()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.cleanup()
+
+
+def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):
+    from e2b import Sandbox
+
+    a, b = dev_nodes
+    sandbox = Sandbox.create("base", timeout=300, api_key=a.key, api_url=a.url, sandbox_url=a.url)
+    sandbox.files.write("/root/paused-on-a.txt", "written on node A before the pause", user="root")
+    sandbox.commands.run("sleep 100000 & echo $! > /root/sleeper.pid", user="root")
+    assert sandbox.pause()
+    headers_a, headers_b = {"X-API-Key": a.key}, {"X-API-Key": b.key}
+    detail = f"/sandboxes/{sandbox.sandbox_id}"
+    wait_for(lambda: httpx.get(a.url + detail, headers=headers_a).json().get("durable"), timeout=120)
+
+    taken = httpx.post(b.url + detail + "/takeover", headers=headers_b, json={"timeout": 300}, timeout=300)
+    assert taken.status_code == 201, taken.text
+    moved = Sandbox.connect(sandbox.sandbox_id, api_key=b.key, api_url=b.url, sandbox_url=b.url)
+    assert moved.files.read("/root/paused-on-a.txt", user="root") == "written on node A before the pause"
+    pid = moved.files.read("/root/sleeper.pid", user="root").strip()
+    assert moved.commands.run(f"kill -0 {pid}", user="root").exit_code == 0  # the process lives on
+    metrics = httpx.get(b.url + "/metrics").text  # B fetched the pause into its runtime cache
+    assert re.search(r"^aenv_runtime_cache_misses [1-9]", metrics, re.M)
+    assert re.search(r"^aenv_runtime_cache_capacity_bytes [1-9]", metrics, re.M)
+
+    # One hand-over only: a second take-over is refused, and node A no longer has the sandbox.
+    again = httpx.post(b.url + detail + "/takeover", headers=headers_b, timeout=60)
+    assert again.status_code == 409, again.text
+    resumed_on_a = httpx.post(a.url + detail + "/resume", headers=headers_a, json={}, timeout=60)
+    assert resumed_on_a.status_code == 404 and "taken over" in resumed_on_a.json()["message"]
+    assert httpx.get(a.url + detail, headers=headers_a).status_code == 404
+    moved.kill()

@@ -133,6 +133,7 @@ def test_memory_image_never_changes(base_template, engine, sandboxes):
     sandbox = sandboxes.start(base_template.id)
     sdk = sandbox.sdk()
     vm = sandbox.vm.vm
+    assert "THP_enabled:\t0" in Path(f"/proc/{vm.pid}/status").read_text()  # no 2 MiB pages for QEMU
     sdk.commands.run("python3 -c 'b = bytearray(64 << 20); b[::4096] = b\"x\" * len(b[::4096])'")
     sandboxes.node.run(vm.command("balloon", value=256 << 20))
     time.sleep(3)
@@ -184,7 +185,7 @@ def test_disk_full_during_pause_or_snapshot_leaves_the_sandbox_running(base_temp
         sandboxes.node.run(engine.pause(sandbox.vm))
     assert sdk.files.read("/home/user/keep") == "intact"
 
-    with full_disk(engine.repository.root / "staging"), pytest.raises(OSError):
+    with full_disk(engine.pending.root), pytest.raises(OSError):
         sandboxes.node.run(engine.snapshot(sandbox.vm))
     assert sdk.files.read("/home/user/keep") == "intact"
     assert sandbox.vm.state.disk_layers == engine.load_state(sandbox.sandbox_id).disk_layers

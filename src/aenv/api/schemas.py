@@ -254,6 +254,10 @@ class ResumeSandbox(Body):
     memory: Memory | None = None
 
 
+class TakeOver(Body):
+    timeout: Timeout | None = None
+
+
 class TimeoutRequest(Body):
     timeout: Timeout
 

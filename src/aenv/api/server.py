@@ -78,6 +78,19 @@ GC_METRICS = {
     "last_run_seconds": "Duration of the last garbage collection pass",
 }
 
+# The runtime cache of an s3 repository (`aenv.storage.cache.CacheStats`); 0 with a posix one,
+# whose files QEMU uses in place.
+CACHE_METRICS = {
+    "capacity_bytes": "Configured capacity of the node's runtime cache",
+    "used_bytes": "Bytes the runtime cache holds",
+    "entries": "Files the runtime cache holds",
+    "pinned_entries": "Runtime cache files in use by a snapshot leased on this node (never evicted)",
+    "hits": "Runtime cache lookups served locally since the node started",
+    "misses": "Runtime cache lookups that fetched from the repository since the node started",
+    "evictions": "Runtime cache files evicted (least recently used first) since the node started",
+    "fetched_bytes": "Bytes the runtime cache fetched from the repository since the node started",
+}
+
 
 def status_of(error: SandboxError) -> int:
     return next(code for kind, code in STATUS.items() if isinstance(error, kind))
@@ -268,6 +281,10 @@ class NodeAPI:
             name: Gauge(f"aenv_gc_{name}", help_text, registry=self.registry)
             for name, help_text in GC_METRICS.items()
         }
+        self._cache_gauges = {
+            name: Gauge(f"aenv_runtime_cache_{name}", help_text, registry=self.registry)
+            for name, help_text in CACHE_METRICS.items()
+        }
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -306,6 +323,7 @@ class NodeAPI:
             ("POST", "/sandboxes/{sandboxID}/pause", self.pause),
             ("POST", "/sandboxes/{sandboxID}/resume", self.resume),
             ("POST", "/sandboxes/{sandboxID}/connect", self.connect),
+            ("POST", "/sandboxes/{sandboxID}/takeover", self.take_over),
             ("POST", "/v2/sandboxes/{sandboxID}/connect", self.connect),
             ("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics),
             ("GET", "/sandboxes/{sandboxID}/logs", self.sandbox_logs),
@@ -376,6 +394,8 @@ class NodeAPI:
         self._lost_gauge.set(status.lost)
         for name, gauge in self._gc_gauges.items():
             gauge.set(getattr(status.gc, name))
+        for name, gauge in self._cache_gauges.items():
+            gauge.set(getattr(status.cache, name) if status.cache is not None else 0)
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -466,6 +486,14 @@ class NodeAPI:
         body = await parse(request, schemas.ResumeSandbox, required=False)
         memory = body.memory is not False
         return self._created(await self.node.resume(self._id(request), body.timeout, memory=memory))
+
+    async def take_over(self, request: web.Request) -> web.Response:
+        """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
+        sandbox_id = self._id(request)
+        if not SANDBOX_ID.fullmatch(sandbox_id):
+            raise InvalidRequest("sandboxID must be a sandbox ID: lowercase letters and digits")
+        body = await parse(request, schemas.TakeOver, required=False)
+        return self._created(await self.node.take_over(sandbox_id, body.timeout))
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
         """Samples between `start` and `end` (Unix seconds, both optional), oldest first."""

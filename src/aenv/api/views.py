@@ -10,6 +10,7 @@ from ..orchestrator.service import DISK_SIZE_MB
 from ..orchestrator.states import State, api_state
 from ..orchestrator.store import SandboxRecord
 from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.pending import PENDING_MARK
 
 CLIENT_ID = "aenv"
 
@@ -63,6 +64,9 @@ def detail(record: SandboxRecord, domain: str) -> dict[str, Any]:
     }
     if api_state(record.state) == "paused":
         body["pauseMode"] = "full"
+        # aenv's: whether the pause is committed to the shared repository yet (then another node
+        # can take it over); false while it is on this node only, and always with a local repository.
+        body["durable"] = record.durable
     return body
 
 
@@ -79,6 +83,9 @@ def snapshot_info(manifest: SnapshotManifest) -> dict[str, Any]:
         "diskSizeMB": DISK_SIZE_MB,
         "createdAt": manifest.created_at,
         "updatedAt": manifest.created_at,
+        # aenv's: committed to the repository (false: captured on the node, being committed;
+        # only this node knows it meanwhile, and a create from it there waits for the commit).
+        "durable": PENDING_MARK not in manifest.metadata,
     }
 
 

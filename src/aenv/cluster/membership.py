@@ -90,9 +90,8 @@ class OrchestratorSource:
                     node_id=self.node_id,
                     state=api_state(s.record.state),  # type: ignore[arg-type]
                     template_id=s.record.template_id,
-                    # No repository holds a pause yet (with s3 too, it stays under the node's home):
-                    # only this node can resume its paused sandboxes.
-                    durable=False,
+                    # Committed to a shared repository: any node can take it over (NodeService.take_over).
+                    durable=s.record.durable,
                 )
                 for s in sandboxes
                 if s.record.state not in UNBOUND

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 from ..network.netns import SandboxNetwork
 from ..snapshot.manifest import SnapshotManifest
+from ..storage.cache import CacheStats
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from .housekeeping import GcTotals
@@ -83,6 +84,7 @@ class NodeStatus:
     lost: int  # sandboxes whose VM process exited without the node asking it to
     parked: int  # paused sandboxes that keep their stopped QEMU process
     gc: GcTotals
+    cache: CacheStats | None = None  # the runtime cache of a remote repository (None: posix)
 
 
 class NodeService(Protocol):
@@ -106,6 +108,18 @@ class NodeService(Protocol):
         ...
 
     async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord: ...
+
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        """Resume here a sandbox paused on another node sharing this node's repository.
+
+        HTTP: `POST /sandboxes/{sandboxID}/takeover` with an optional `{"timeout": seconds}`,
+        answered 201 with the sandbox (as create's), on the node that is to run it. The pause
+        must be durable (the record's `durable`; `GET /sandboxes/{id}` on the pausing node says
+        `"durable": true`): otherwise 404. 409 if another node took it over first (one claim in
+        the repository decides), or if the sandbox is on this node already (resume it instead).
+        The node it was paused on forgets it (its lookups answer 404 saying where it went).
+        """
+        ...
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None: ...
 

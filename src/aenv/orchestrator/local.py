@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
+from ..snapshot.handover import PAUSE_MARK
 from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.pending import PENDING_MARK
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
@@ -30,6 +32,7 @@ from .store import SandboxRecord
 log = logging.getLogger(__name__)
 
 FORK_MARK = "aenv.fork-of"  # metadata of the hidden snapshot a fork's children start from
+HIDDEN_MARKS = (FORK_MARK, PAUSE_MARK)  # internal snapshots: a fork's, a durable pause's
 
 
 ERROR_KINDS: dict[int, type[SandboxError]] = {403: Forbidden, 404: NotFound, 409: Conflict}
@@ -61,6 +64,10 @@ def matches(record: SandboxRecord, query: ListQuery) -> bool:
     if query.started_after is not None and _started(record) < query.started_after:
         return False
     return query.started_before is None or _started(record) <= query.started_before
+
+
+def _hidden(manifest: SnapshotManifest) -> bool:
+    return any(mark in manifest.metadata for mark in HIDDEN_MARKS)
 
 
 class LocalNode:
@@ -116,6 +123,9 @@ class LocalNode:
         await self.orchestrator.resume(sandbox, timeout, memory=memory)
         return sandbox.record
 
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        return (await self.orchestrator.take_over(sandbox_id, timeout)).record
+
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self.orchestrator.set_timeout(self._sandbox(sandbox_id), timeout)
 
@@ -153,13 +163,19 @@ class LocalNode:
     # -- catalog ---------------------------------------------------------------------------
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        return [m for m in self._engine.repository.list(kind) if FORK_MARK not in m.metadata]
+        committed = [m for m in self._engine.repository.list(kind) if not _hidden(m)]
+        known = {m.id for m in committed}
+        pending = [m for m in self._engine.pending.list() if m.id not in known] if kind != "template" else []
+        return [*reversed(pending), *committed]  # newest first: those being committed are newer
 
     async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
+        manifest = self._engine.pending.get(catalog_name(reference))
         try:
-            manifest = self._engine.repository.get(catalog_name(reference))
+            manifest = manifest or self._engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, InvalidName):
             raise NotFound(f"'{reference}' not found") from None
+        if PAUSE_MARK in manifest.metadata:
+            raise NotFound(f"'{reference}' not found")
         if kind is not None and manifest.kind != kind:
             raise NotFound(f"{kind} '{reference}' not found")
         return manifest
@@ -182,6 +198,8 @@ class LocalNode:
                 f"'{name}' is built into this node: creates and a warm pool use it, so it cannot be deleted"
             )
         await pool.drain(manifest.id)
+        if PENDING_MARK in manifest.metadata and await self._engine.pending.cancel(manifest.id):
+            return  # cancelled before its commit: it never becomes visible
         try:
             self._engine.repository.delete(manifest.id, defer=True)
         except RepositoryError as exc:
@@ -259,6 +277,7 @@ class LocalNode:
             lost=self.orchestrator.counters["lost"],
             parked=len(self._engine.parked),
             gc=self.housekeeper.totals,
+            cache=self._engine.runtime.cache_stats(),
         )
 
     async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:

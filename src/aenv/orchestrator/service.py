@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from http.client import HTTPException
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from ..config import Settings
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
+from ..snapshot.handover import SandboxMoved
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.repository import (
     AliasConflict,
@@ -57,6 +59,9 @@ LOST_KEPT = 1000  # how many lost sandboxes the node still explains (404 with th
 # QMP, envd, networking, the disk or a damaged saved state. Anything else is a bug, left to the
 # API's error boundary (logged with its traceback, answered as an internal error).
 ENGINE_FAILURES = (RuntimeError, OSError, ValueError, RepositoryError)
+# A pause snapshot's metadata: the sandbox's record, for the node that takes the sandbox over.
+SANDBOX_RECORD = "aenv.sandbox-record"
+MOVED_CHECK_SECONDS = 30.0  # how often durably paused sandboxes are checked for a take-over elsewhere
 
 
 def _parse(value: str) -> datetime:
@@ -139,6 +144,8 @@ class Orchestrator:
         # Called with a sandbox id when its state settles or it is gone: a node in a cluster tells
         # the scheduler where its sandboxes are (aenv.cluster.membership). Must not block.
         self.on_changed: Callable[[str], None] = lambda sandbox_id: None
+        engine.handover.describe = self._describe
+        engine.handover.on_durable = self._durable
 
     # -- state transitions -----------------------------------------------------------------
 
@@ -220,7 +227,18 @@ class Orchestrator:
     async def _settle(self, sandbox: Sandbox) -> None:
         """A paused sandbox whose process the previous node process kept: save it, end the process."""
         try:
-            await self.engine.settle_paused(self.engine.load_state(sandbox.id))
+            state = self.engine.load_state(sandbox.id)
+            await self.engine.settle_paused(state)
+            if moved_to := await asyncio.to_thread(self.engine.handover.moved, state):
+                raise SandboxMoved(sandbox.id, moved_to)
+            sandbox.record.durable = state.durable is not None
+            self.engine.handover.recover(state)  # a pause not yet committed is committed now
+        except SandboxMoved as exc:
+            log.info("paused sandbox %s is gone: %s", sandbox.id, exc)
+            self._lose(sandbox.id, f"it was taken over by node {exc.node}")
+            with contextlib.suppress(Exception):
+                await self.engine.kill(self.engine.load_state(sandbox.id))
+            self._forget(sandbox)
         except (EngineError, OSError, LookupError) as exc:
             log.error("paused sandbox %s was lost with the previous node process: %s", sandbox.id, exc)
             # Best effort on a sandbox that is already lost: whatever fails here, the record goes.
@@ -251,6 +269,7 @@ class Orchestrator:
                     log.error("stopping sandbox %s failed: %s", sandbox.id, exc.message)
         if self.volumes is not None:
             await self.volumes.close()
+        await self.engine.handover.close()  # the pauses just made become durable before the exit
         self.store.close()
 
     # -- lookups ---------------------------------------------------------------------------
@@ -271,6 +290,8 @@ class Orchestrator:
 
     def resolve_template(self, reference: str) -> SnapshotManifest:
         """A template or snapshot by id or alias; `namespace/` prefixes and `:tag` suffixes are ignored."""
+        if (pending := self.engine.pending.get(catalog_name(reference))) is not None:
+            return pending  # this node's, being committed: a start waits for the commit
         try:
             return self.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, RepositoryError):
@@ -392,6 +413,12 @@ class Orchestrator:
         self.store.delete(sandbox.id)
         self.on_changed(sandbox.id)
 
+    def _lose(self, sandbox_id: str, reason: str) -> None:
+        """Remember why a sandbox is gone, so a lookup answers 404 with the reason."""
+        self.lost[sandbox_id] = reason
+        while len(self.lost) > LOST_KEPT:
+            self.lost.pop(next(iter(self.lost)))
+
     # -- VM processes that die -------------------------------------------------------------
 
     def _attach(self, sandbox: Sandbox, vm: SandboxVM) -> None:
@@ -418,9 +445,7 @@ class Orchestrator:
             reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {rfc3339(clock.now())}"
             log.error("sandbox %s was lost: %s", sandbox.id, reason)
             self.counters["lost"] += 1
-            self.lost[sandbox.id] = reason
-            while len(self.lost) > LOST_KEPT:
-                self.lost.pop(next(iter(self.lost)))
+            self._lose(sandbox.id, reason)
             try:
                 await self._kill_locked(sandbox)
             except ENGINE_FAILURES as exc:  # the record is gone either way; leftovers are for GC
@@ -486,6 +511,8 @@ class Orchestrator:
             try:
                 state = self.engine.load_state(record.sandbox_id)
                 self._attach(sandbox, await self.engine.resume(state, self._guest_init(record)))
+            except SandboxMoved as exc:
+                raise await self._moved(sandbox, exc) from exc
             except ENGINE_FAILURES as exc:
                 log.exception("resuming sandbox %s failed", record.sandbox_id)
                 raise OperationFailed(f"resuming sandbox {record.sandbox_id} failed: {exc}") from exc
@@ -498,6 +525,7 @@ class Orchestrator:
                     f"mounting the volumes of sandbox {record.sandbox_id} failed: {exc}"
                 ) from exc
             self._set_end(sandbox, timeout)
+            record.durable = False
 
     async def _pause_again(self, sandbox: Sandbox) -> None:
         """Undo a resume whose volumes could not be mounted (the guest has not run user work)."""
@@ -552,13 +580,93 @@ class Orchestrator:
             if sandbox.record.volume_mounts:
                 metadata[VOLUMES_MARK] = "mounted"
             try:
-                return await self.engine.snapshot(sandbox.vm, alias=name, metadata=metadata, memory=memory)
+                # Answered once captured on this node; committed in the background (`snapshot.pending`).
+                return await self.engine.snapshot(
+                    sandbox.vm, alias=name, metadata=metadata, memory=memory, wait=False
+                )
             except InvalidName as exc:
                 raise InvalidRequest(str(exc)) from exc
             except (AliasConflict, SnapshotExists) as exc:
                 raise Conflict(str(exc)) from exc
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"snapshot of sandbox {sandbox.id} failed: {exc}") from exc
+
+    # -- durable pauses: sandboxes moving between nodes (`aenv.snapshot.handover`) ----------
+
+    def _describe(self, sandbox_id: str) -> dict[str, str]:
+        sandbox = self.sandboxes.get(sandbox_id)
+        return {} if sandbox is None else {SANDBOX_RECORD: json.dumps(asdict(sandbox.record))}
+
+    def _durable(self, sandbox_id: str) -> None:
+        """The sandbox's pause was committed to the repository: say so from now on."""
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is not None and sandbox.record.state in (State.PAUSING, State.PAUSED):
+            sandbox.record.durable = True
+            self.store.put(sandbox.record)
+            self.on_changed(sandbox_id)  # the scheduler may now resume it on another node
+
+    async def _moved(self, sandbox: Sandbox, exc: SandboxMoved) -> NotFound:
+        """Another node took the paused sandbox over: free what is left of it here (lock held)."""
+        reason = f"it was taken over by node {exc.node}"
+        log.info("sandbox %s is gone from this node: %s", sandbox.id, reason)
+        self._lose(sandbox.id, reason)
+        with contextlib.suppress(Exception):  # best effort: what stays is the collector's
+            await self.engine.kill(self.engine.load_state(sandbox.id))
+        self._forget(sandbox)
+        return NotFound(f"sandbox {sandbox.id} is not on this node any more: {reason}")
+
+    async def forget_moved(self) -> None:
+        """Drop the durably paused sandboxes another node has taken over meanwhile."""
+        for sandbox in list(self.sandboxes.values()):
+            if sandbox.record.state != State.PAUSED or not sandbox.record.durable or sandbox.lock.locked():
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                state = self.engine.load_state(sandbox.id)
+                if moved_to := await asyncio.to_thread(self.engine.handover.moved, state):
+                    async with sandbox.lock:
+                        if sandbox.record.state == State.PAUSED and sandbox.id in self.sandboxes:
+                            await self._moved(sandbox, SandboxMoved(sandbox.id, moved_to))
+
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> Sandbox:
+        """Continue here a sandbox paused on another node, from its pause in the repository.
+
+        Its record (tokens, settings, metadata) comes with the pause; the repository's claim
+        makes sure only one node continues it, and the node it was paused on forgets it.
+        """
+        timeout = self.settings.default_timeout if timeout is None else timeout
+        self._check_timeout(timeout)
+        if sandbox_id in self.sandboxes:
+            raise Conflict(f"sandbox {sandbox_id} is on this node: resume it instead")
+        try:
+            pause = await asyncio.to_thread(self.engine.handover.find, sandbox_id)
+            record = SandboxRecord(**json.loads(pause.metadata[SANDBOX_RECORD]))
+        except (SnapshotNotFound, InvalidName):
+            raise NotFound(f"sandbox {sandbox_id} has no durable pause in the repository") from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise OperationFailed(f"the pause of sandbox {sandbox_id} carries no readable record") from exc
+        except RepositoryError as exc:
+            raise OperationFailed(f"reading the pause of sandbox {sandbox_id} failed: {exc}") from exc
+        self.admission.check_start(f"take over sandbox {sandbox_id}", record.memory_mb)
+        record.state, record.durable = State.CREATING, False
+        sandbox = Sandbox(record)
+        self.sandboxes[sandbox_id] = sandbox
+        async with sandbox.lock:
+            self.store.put(record)
+            try:
+                with self._transition(sandbox, Op.START):
+                    policy = egress_policy(record.allow_internet, record.network)
+                    vm = await self.engine.take_over(pause, self._guest_init(record), policy)
+                    self._attach(sandbox, vm)
+                    self._set_end(sandbox, timeout)
+            except SandboxMoved as exc:
+                self._forget(sandbox)
+                raise Conflict(str(exc)) from exc
+            except Exception as exc:  # the claim is given back: another attempt may succeed
+                self._forget(sandbox)
+                log.exception("taking over sandbox %s failed", sandbox_id)
+                raise OperationFailed(f"taking over sandbox {sandbox_id} failed: {exc}") from exc
+        self.lost.pop(sandbox_id, None)
+        return sandbox
 
     async def fork(self, sandbox: Sandbox, count: int, timeout: int | None) -> list[Sandbox]:
         if not 1 <= count <= self.settings.max_fork_count:
@@ -699,9 +807,13 @@ class Orchestrator:
     # -- TTL -------------------------------------------------------------------------------
 
     async def _evict_forever(self) -> None:
+        checked = time.monotonic()
         while not self._closing:
             await asyncio.sleep(self.settings.evict_interval)
             await self.evict_expired()
+            if self.engine.handover.enabled and time.monotonic() - checked > MOVED_CHECK_SECONDS:
+                checked = time.monotonic()
+                await self.forget_moved()
 
     async def evict_expired(self) -> None:
         """Pause (autoPause) or kill every running sandbox whose end time has passed."""

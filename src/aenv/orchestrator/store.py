@@ -39,6 +39,8 @@ class SandboxRecord:
     paused_at: str | None = None
     auto_pause_memory: bool = True  # false: a timeout's pause keeps only the disk
     volume_mounts: list[dict[str, str]] = field(default_factory=list)  # E2B's [{"name", "path"}]
+    # Paused, and the pause is committed to the shared repository: another node can take it over.
+    durable: bool = False
 
     def __post_init__(self) -> None:
         self.state = State(self.state)  # rows store the state's plain string

@@ -137,14 +137,20 @@ class Clones:
         guest = GuestVM(vm=vm, network=network, envd=envd, workdir=vm.workdir)
         return SandboxVM(state=state, guest=guest, manifest=manifest)
 
-    async def capture(self, sandbox: SandboxVM, directory: Path, stem: str) -> tuple[Path, memory.DeltaInfo]:
-        """With the guest stopped: its device state and changed pages, written under `directory`."""
+    async def capture(
+        self, sandbox: SandboxVM, directory: Path, stem: str, *, sync: bool = True
+    ) -> tuple[Path, memory.DeltaInfo]:
+        """With the guest stopped: its device state and changed pages, written under `directory`
+        (flushed to disk unless `sync` is off: a background commit flushes them later)."""
         devices = directory / f"{stem}.devices"
         await migration.capture_devices(sandbox.vm, devices)
-        delta = await self.capture_memory(sandbox.vm.pid, sandbox.manifest, directory / f"{stem}.delta")
+        delta_path = directory / f"{stem}.delta"
+        delta = await self.capture_memory(sandbox.vm.pid, sandbox.manifest, delta_path, sync=sync)
         return devices, delta
 
-    async def capture_memory(self, pid: int, manifest: SnapshotManifest, delta: Path) -> memory.DeltaInfo:
+    async def capture_memory(
+        self, pid: int, manifest: SnapshotManifest, delta: Path, *, sync: bool = True
+    ) -> memory.DeltaInfo:
         """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer."""
         start, end = memory.find_mapping(pid, self.host.runtime.memory_image(manifest))
-        return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta)
+        return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta, sync=sync)

@@ -29,12 +29,14 @@ from ..storage.protocols import Repository, RuntimeResolver
 from ..storage.runtime import LocalRuntime
 from ..vmm.accel import Accelerator
 from .clones import Clones
+from .handover import Handover
 from .host import Host
 from .lifecycle import Lifecycle
 from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxVM
 from .parking import ParkingPolicy
 from .pausing import Pauses
+from .pending import PendingSnapshots
 from .recovery import Recovery
 from .repository import SnapshotRepository
 from .templates import TemplateBuilder
@@ -48,7 +50,9 @@ class SnapshotEngine:
     """Builds templates and runs sandboxes from committed snapshots on this node.
 
     `runtime` resolves snapshots to local files; by default the files of a repository on this
-    host's filesystem are used in place.
+    host's filesystem are used in place. With `durable_pauses` (a repository other nodes share),
+    every pause is also committed to the repository in the background, so another node can
+    take the paused sandbox over (`aenv.snapshot.handover`).
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class SnapshotEngine:
         incoming_timeout: float = 60.0,
         parking: ParkingPolicy | None = None,
         runtime: RuntimeResolver | None = None,
+        durable_pauses: bool = False,
     ):
         self.layers = LayerStore(home / "layers")
         self.sandboxes_dir = home / "sandboxes"
@@ -85,7 +90,12 @@ class SnapshotEngine:
         # Off unless asked for: without it, every pause ends the QEMU process at once.
         self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0))
         self.parked = self.pauses.lot
-        self.lifecycle = Lifecycle(self.host, clones, self.warm, self.pool, self.pauses)
+        self.handover = Handover(self.host, durable_pauses)
+        self.pauses.on_saved = self.handover.paused
+        self.pending = PendingSnapshots(self.host, repository.pending_dir())
+        self.lifecycle = Lifecycle(
+            self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
+        )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
 
     async def close(self) -> None:
@@ -95,6 +105,8 @@ class SnapshotEngine:
         """
         await self.parked.close()
         await self.pool.close()
+        await self.handover.close()
+        await self.pending.close()
 
     # -- machine and sandboxes directory ---------------------------------------------------
 
@@ -147,8 +159,16 @@ class SnapshotEngine:
         alias: str | None = None,
         metadata: dict[str, str] | None = None,
         memory: bool = True,
+        wait: bool = True,
     ) -> SnapshotManifest:
-        return await self.lifecycle.snapshot(sandbox, alias=alias, metadata=metadata, memory=memory)
+        """Snapshot a running sandbox; without `wait`, answered before it is committed (`pending`)."""
+        return await self.lifecycle.snapshot(
+            sandbox, alias=alias, metadata=metadata, memory=memory, wait=wait
+        )
+
+    async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
+        """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
+        return await self.handover.take_over(self.lifecycle, pause, init, policy)
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)
@@ -173,4 +193,8 @@ class SnapshotEngine:
         return self.recovery.cleanup_warm_leftovers()
 
     def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
-        return self.recovery.collect_garbage(grace_seconds=grace_seconds)
+        return self.recovery.collect_garbage(grace_seconds=grace_seconds, keep=self.pending.layers())
+
+    def recover_pending(self) -> int:
+        """At start: commit, in the background, the snapshots a previous node process answered."""
+        return self.pending.recover()

@@ -13,6 +13,7 @@ again): a snapshot has exactly one delta over its image, never a chain. Pausing 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -22,27 +23,38 @@ from ..network.netns import SandboxNetwork
 from ..storage.layers import new_layer_id
 from ..vmm import migration
 from . import devstate
-from . import memory as memory_pages
 from .clones import Clones
+from .handover import Handover, SandboxMoved
 from .host import Host
 from .manifest import SnapshotManifest, new_snapshot_id, utc_now
-from .model import EngineError, GuestInit, SandboxState, SandboxVM
+from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses, write_out_files
+from .pending import CAPTURE, PendingSnapshots
 from .recovery import kill_stray
+from .repository import AliasConflict, SnapshotNotFound, check_alias
 from .templates import start_runtime
 from .warm import WarmVMs
 from .warm_pool import WarmPool
 
 BOOT_TIMEOUT = 300.0  # a cold boot under TCG, on a busy host
-# Metadata of a filesystem-only snapshot (no memory): sandboxes started from it boot from its disk.
-DISK_ONLY = "aenv.disk-only"
 
 
 class Lifecycle:
     """Runs sandboxes from committed snapshots on this node."""
 
-    def __init__(self, host: Host, clones: Clones, warm: WarmVMs, pool: WarmPool, pauses: Pauses):
+    def __init__(
+        self,
+        host: Host,
+        clones: Clones,
+        warm: WarmVMs,
+        pool: WarmPool,
+        pauses: Pauses,
+        handover: Handover,
+        pending: PendingSnapshots,
+    ):
         self.host = host
+        self.pending = pending
+        self.handover = handover
         self.clones = clones
         self.warm = warm
         self.pool = pool
@@ -52,6 +64,7 @@ class Lifecycle:
         self, snapshot: str, sandbox_id: str, init: GuestInit, policy: EgressPolicy | None = None
     ) -> SandboxVM:
         """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
+        await self.pending.settle(snapshot)  # one of this node's snapshots, being committed
         manifest = self.host.repository.acquire(snapshot, sandbox_id)
         try:
             return await self._start(manifest, sandbox_id, init, policy or EgressPolicy())
@@ -93,7 +106,20 @@ class Lifecycle:
             raise
 
     async def resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
-        """Continue a paused sandbox from its saved state (or its parked process)."""
+        """Continue a paused sandbox from its saved state (or its parked process).
+
+        `SandboxMoved` if another node took it over from the repository (it is gone from here).
+        """
+        pause = await self.handover.claim(state)
+        try:
+            sandbox = await self._resume(state, init)
+        except BaseException:
+            await self.handover.unclaim(pause)
+            raise
+        await self.handover.retire(sandbox.state, pause)
+        return sandbox
+
+    async def _resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
         parked = self.pauses.lot.take(state.sandbox_id)
         if parked is not None:
             return await self.pauses.resume_parked(parked, init)
@@ -148,6 +174,10 @@ class Lifecycle:
         if parked is not None:
             await parked.capture
             sandbox, state = parked.sandbox, parked.sandbox.state
+        try:
+            pause = await self.handover.claim(state)
+        except SandboxMoved:  # it lives on elsewhere: only this node's files of it go
+            pause = None
         if isinstance(sandbox, SandboxVM):
             await sandbox.guest.destroy(keep_files=True)
         elif not state.paused:  # left running by a crashed node: its VM and namespace are strays
@@ -157,6 +187,7 @@ class Lifecycle:
         host.layers.remove(state.disk_layers[-1])
         shutil.rmtree(host.workdir(state.sandbox_id), ignore_errors=True)
         host.repository.release(state.snapshot_id, state.sandbox_id)
+        await self.handover.retire(state, pause)
 
     async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
         """Replace a running sandbox's egress rules (one nft transaction) and remember them."""
@@ -171,76 +202,84 @@ class Lifecycle:
         alias: str | None = None,
         metadata: dict[str, str] | None = None,
         memory: bool = True,
+        wait: bool = True,
     ) -> SnapshotManifest:
-        """Commit a snapshot of a running sandbox; it is stopped only for the capture.
+        """Snapshot a running sandbox; it is stopped only for the capture.
 
         Without `memory` only the disk is kept (the guest writes its files out first), and
-        sandboxes started from the snapshot boot from it.
+        sandboxes started from the snapshot boot from it. Without `wait` the call returns once
+        the capture is on this node's disk, with the manifest marked pending, and the snapshot
+        is committed in the background (`aenv.snapshot.pending`); else it returns it committed.
         """
         host = self.host
-        staging = host.repository.staging_dir()
+        self._check_alias_free(alias)
+        snapshot_id = new_snapshot_id()
+        directory = self.pending.directory(snapshot_id)
         state = sandbox.state
         sealed = state.disk_layers[-1]
-        captured: tuple[Path, memory_pages.DeltaInfo] | None = None
         try:
             new_top = new_layer_id()
             new_node = f"n{new_top}"
             if not memory:
                 await write_out_files(sandbox)
             async with migration.stopped(sandbox.vm, resume=True):
-                if memory:
-                    captured = await self.clones.capture(sandbox, staging, "snapshot")
+                if memory:  # neither hashed nor flushed with the guest stopped: `pending` does both
+                    await self.clones.capture(sandbox, directory, CAPTURE, sync=False)
                 await migration.seal_disk(sandbox.vm, sandbox.root_node, host.layers.path(new_top), new_node)
             host.layers.seal(sealed)
-            sandbox.root_node = new_node
-            state.disk_layers.append(new_top)
-            state.save(host.workdir(state.sandbox_id))
-            layers = state.disk_layers[:-1]
-            return await asyncio.to_thread(
-                self._commit_snapshot, sandbox, captured, layers, alias, metadata or {}
-            )
-        finally:
-            host.repository.discard_staging(staging)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        sandbox.root_node = new_node
+        state.disk_layers.append(new_top)
+        state.save(host.workdir(state.sandbox_id))
+        draft = self._snapshot_manifest(snapshot_id, sandbox, memory, state.disk_layers[:-1], alias, metadata)
+        self.pending.add(draft, directory)
+        if not wait:
+            return self.pending.get(snapshot_id) or host.repository.get(snapshot_id)
+        await self.pending.committed(snapshot_id)
+        return host.repository.get(snapshot_id)
 
-    def _commit_snapshot(
+    def _check_alias_free(self, alias: str | None) -> None:
+        """A snapshot answered before its commit must not fail it later for its alias: check now."""
+        if alias is None:
+            return
+        check_alias(alias)
+        if alias in self.pending.aliases():
+            raise AliasConflict(f"alias {alias!r} already points to a snapshot being committed")
+        with contextlib.suppress(SnapshotNotFound):
+            target = self.host.repository.resolve(alias)
+            raise AliasConflict(f"alias {alias!r} already points to {target!r}")
+
+    def _snapshot_manifest(
         self,
+        snapshot_id: str,
         sandbox: SandboxVM,
-        captured: tuple[Path, memory_pages.DeltaInfo] | None,
+        memory: bool,
         layers: list[str],
         alias: str | None,
-        metadata: dict[str, str],
+        metadata: dict[str, str] | None,
     ) -> SnapshotManifest:
-        """Commit the manifest; `captured` (device state, changed pages) is None for a disk-only one,
-        which keeps its origin's memory image and device state only as the machine to boot."""
-        repository = self.host.repository
+        """The manifest to commit, its captured files' digests not filled in yet (`pending` does).
+
+        A disk-only one keeps its origin's memory image and device state only as the machine to boot.
+        """
         origin = sandbox.manifest
-        device_state, deltas, sizes = origin.device_state, (), {}
-        if captured is None:
-            metadata = {**metadata, DISK_ONLY: "true"}
-        else:
-            devices, delta = captured
-            size = delta.path.stat().st_size
-            digest = repository.put_blob(delta.path, digest=delta.digest, move=True, verify=False)
-            device_state, deltas, sizes = repository.put_blob(devices, move=True), (digest,), {digest: size}
-        disk_layers = self.host.runtime.publish_layers(layers)
-        manifest = SnapshotManifest(
-            id=new_snapshot_id(),
+        return SnapshotManifest(
+            id=snapshot_id,
             kind="snapshot",
             alias=alias,
             created_at=utc_now(),
             source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
             machine=origin.machine,
             memory_image=origin.memory_image,
-            memory_deltas=deltas,
-            device_state=device_state,
+            memory_deltas=(),
+            device_state=origin.device_state,
             vmstate_prefix=origin.vmstate_prefix,
-            disk_layers=disk_layers,
+            disk_layers=tuple(layers),
             runtime=origin.runtime,
-            metadata=metadata,
-            sizes=sizes,
+            metadata={**(metadata or {}), **({} if memory else {DISK_ONLY: "true"})},
         )
-        repository.commit(manifest)
-        return manifest
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         """Start children from the sandbox's current state; the source keeps running.

@@ -75,7 +75,7 @@ class DeltaInfo:
     pages: int
     memory_size: int
     path: Path
-    digest: str  # "sha256:…" of the whole file, computed while writing it
+    digest: str  # "sha256:…" of the whole file, computed while writing it ("" when not asked for)
 
 
 def _header(pages: int, memory_size: int) -> bytes:
@@ -86,11 +86,13 @@ def _index_area(pages: int) -> int:
     return -(-pages * 8 // PAGE_SIZE) * PAGE_SIZE
 
 
-def capture_delta(pid: int, start: int, end: int, out: Path) -> DeltaInfo:
+def capture_delta(pid: int, start: int, end: int, out: Path, *, sync: bool = True) -> DeltaInfo:
     """Write the pages the guest changed into a delta layer file. QEMU must be stopped.
 
-    The file is hashed as it is written: a snapshot stores it by digest, and reading hundreds
-    of MiB back just to hash them would cost a third again of the capture.
+    The file is hashed as it is written: a pause stores it by digest, and reading hundreds
+    of MiB back just to hash them would cost a third again of the capture. Without `sync` it is
+    neither hashed nor flushed: the caller does both after the guest runs again (a snapshot
+    committed in the background, `aenv.snapshot.pending`), and the digest is left empty.
     """
     indices = dirty_pages(pid, start, end)
     memory_size = end - start
@@ -98,7 +100,8 @@ def capture_delta(pid: int, start: int, end: int, out: Path) -> DeltaInfo:
     with open(out, "wb") as f, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
 
         def write(data: bytes) -> None:
-            digest.update(data)
+            if sync:
+                digest.update(data)
             f.write(data)
 
         write(_header(int(indices.size), memory_size))
@@ -106,8 +109,9 @@ def capture_delta(pid: int, start: int, end: int, out: Path) -> DeltaInfo:
         for first, length in _runs(indices):
             write(os.pread(mem.fileno(), length * PAGE_SIZE, start + first * PAGE_SIZE))
         f.flush()
-        os.fsync(f.fileno())
-    return DeltaInfo(int(indices.size), memory_size, out, "sha256:" + digest.hexdigest())
+        if sync:
+            os.fsync(f.fileno())
+    return DeltaInfo(int(indices.size), memory_size, out, "sha256:" + digest.hexdigest() if sync else "")
 
 
 def read_delta_indices(path: Path) -> tuple[np.ndarray, int]:

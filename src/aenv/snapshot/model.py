@@ -22,6 +22,8 @@ from .manifest import SnapshotManifest
 from .repository import GcReport
 
 STATE_FILE = "state.json"
+# Metadata of a filesystem-only snapshot (no memory): sandboxes started from it boot from its disk.
+DISK_ONLY = "aenv.disk-only"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class SandboxState:
     policy: dict[str, Any] = field(default_factory=dict)  # the egress policy, as EgressPolicy fields
     # The last pause kept only the disk (no delta, no device state): the resume boots afresh.
     disk_only: bool = False
+    # The pause snapshot this pause was committed to the repository as (`aenv.snapshot.handover`).
+    durable: str | None = None
 
     @property
     def egress(self) -> EgressPolicy:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..vmm import migration
 from .clones import Clones
 from .host import Host
+from .manifest import SnapshotManifest
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
 from .parking import ParkedVM, ParkingLot, ParkingPolicy
 
@@ -32,6 +34,8 @@ class Pauses:
         self.host = host
         self.clones = clones
         self.lot = ParkingLot(policy, self.release)
+        # Told when a pause is wholly on this node's disk (`Handover.paused` commits it onward).
+        self.on_saved: Callable[[SandboxState, SnapshotManifest], None] = lambda state, origin: None
 
     async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
         """Stop the sandbox and save it to disk; a resume continues it exactly.
@@ -67,6 +71,7 @@ class Pauses:
         state.save(workdir)
         await sandbox.guest.destroy(keep_files=True)
         _unlink(previous)
+        self.on_saved(state, sandbox.manifest)
         return state
 
     async def pause_disk(self, sandbox: SandboxVM) -> SandboxState:
@@ -79,6 +84,7 @@ class Pauses:
         await migration.stop(sandbox.vm)  # QEMU drains and flushes the disk's pending writes
         await sandbox.guest.destroy(keep_files=True)
         self.forget_memory(sandbox.state)
+        self.on_saved(sandbox.state, sandbox.manifest)
         return sandbox.state
 
     def forget_memory(self, state: SandboxState) -> None:
@@ -109,6 +115,7 @@ class Pauses:
         sandbox.state.delta = str(delta)
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
         _unlink(previous)
+        self.on_saved(sandbox.state, sandbox.manifest)
 
     async def release(self, parked: ParkedVM) -> None:
         """End a parked sandbox's QEMU process once its pause is on disk (the lot's callback)."""

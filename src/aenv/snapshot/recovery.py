@@ -136,18 +136,21 @@ class Recovery:
             shutil.rmtree(record_file.parent, ignore_errors=True)
         return leftovers
 
-    def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
+    def collect_garbage(
+        self, *, grace_seconds: float | None = None, keep: set[str] | None = None
+    ) -> GarbageReport:
         """Remove disk layers, runtime files and blobs nothing refers to any more (see `repository.gc`).
 
-        A layer stays while a manifest, a sandbox's saved state, a warm VM's record or a live QEMU
-        process names it, and for the grace period after its last write (`LAYER_GRACE_SECONDS`
-        unless `grace_seconds` says otherwise), so collection can run while sandboxes are
-        created, snapshotted and taken from the warm pool.
+        A layer stays while a manifest, a sandbox's saved state, a warm VM's record, a live QEMU
+        process or `keep` (the layers of snapshots not committed yet) names it, and for the grace
+        period after its last write (`LAYER_GRACE_SECONDS` unless `grace_seconds` says
+        otherwise), so collection can run while sandboxes are created, snapshotted and taken
+        from the warm pool.
         """
         host = self.host
         used = {layer for m in host.repository.list() for layer in m.disk_layers}
         used |= {layer for state in host.sandbox_states() for layer in state.disk_layers}
-        used |= self._warm_layers() | layers_of_running_vms(host.layers)
+        used |= self._warm_layers() | layers_of_running_vms(host.layers) | (keep or set())
         cutoff = time.time() - (LAYER_GRACE_SECONDS if grace_seconds is None else grace_seconds)
         orphans = sorted(i for i in host.layers.all_ids() - used if host.layers.modified(i) < cutoff)
         for layer in orphans:

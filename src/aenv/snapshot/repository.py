@@ -11,7 +11,9 @@ shared filesystem; `aenv.storage.runtime.LocalRuntime` uses its blobs in place).
     leases/<id>/<holder>      one per holder (a sandbox id) using the snapshot; holds the node id
     nodes/<node>              the node's heartbeat: its mtime is when the node last said it is alive
     deleted/<id>              tombstone: deleted while leased, removed when the last lease goes
+    claims/<id>               the node that took the snapshot over, written once (`claim`)
     staging/                  scratch directories and temporary blob copies (same filesystem)
+    pending/                  captures answered but not committed yet (`aenv.snapshot.pending`)
     lock                      flock()ed by every catalog change and by gc
 
 Crash safety: every catalog file is written to a dot-named temporary in its own directory,
@@ -308,8 +310,9 @@ class SnapshotRepository:
         self._leases = self.root / "leases"
         self._deleted = self.root / "deleted"
         self._staging = self.root / "staging"
+        self._claims = self.root / "claims"
         dirs = (self._blobs, self._manifests, self._aliases, self._leases, self._deleted, self._staging)
-        for d in (*dirs, self._nodes):
+        for d in (*dirs, self._nodes, self._claims):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._own_staging: set[Path] = set()
@@ -429,6 +432,10 @@ class SnapshotRepository:
         path = Path(tempfile.mkdtemp(prefix="s-", dir=self._staging))
         self._own_staging.add(path)
         return path
+
+    def pending_dir(self) -> Path:
+        """Captures awaiting their commit: beside staging (so a blob is a rename), never cleaned by it."""
+        return self.root / "pending"
 
     def discard_staging(self, path: Path) -> None:
         """Remove a directory made by ``staging_dir`` (blobs stored from it are unaffected)."""
@@ -607,6 +614,38 @@ class SnapshotRepository:
             self._drop_aliases(snapshot_id)
             return False
 
+    # ---- claims (a hand-over that happens once) ------------------------------------------------
+
+    def claim(self, snapshot_id: str) -> str:
+        """Take the snapshot over for this node, once and for all: the first claim wins.
+
+        Returns the node holding the claim (this one, unless another node claimed it first).
+        """
+        path = self._claims / self._check_id(snapshot_id)
+        with self._locked():
+            if not path.exists():
+                _write_atomic(path, self.node.encode())
+            return path.read_text()
+
+    def claimant(self, snapshot_id: str) -> str | None:
+        """The node that claimed the snapshot, if any."""
+        try:
+            return (self._claims / self._check_id(snapshot_id)).read_text()
+        except FileNotFoundError:
+            return None
+
+    def unclaim(self, snapshot_id: str) -> None:
+        """Give up this node's claim (a take-over that failed before it used the snapshot)."""
+        with self._locked():
+            if self.claimant(snapshot_id) == self.node:
+                _unlink_durably(self._claims / snapshot_id)
+
+    @staticmethod
+    def _check_id(snapshot_id: str) -> str:
+        if not isinstance(snapshot_id, str) or not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
+            raise InvalidName(f"invalid snapshot id {snapshot_id!r}")
+        return snapshot_id
+
     # ---- garbage collection ------------------------------------------------------------------
 
     def gc(self, *, grace_seconds: float | None = None) -> GcReport:
@@ -636,6 +675,9 @@ class SnapshotRepository:
             for leases in self._leases.iterdir():
                 if not self._manifest_path(leases.name).exists():
                     shutil.rmtree(leases)
+            for claim in self._claims.glob("[!.]*"):
+                if not self._manifest_path(claim.name).exists():
+                    claim.unlink()
             removed_aliases = []
             for alias in self._aliases.glob("[!.]*"):
                 if self._alias_target(alias.name) is None:
@@ -731,6 +773,7 @@ class SnapshotRepository:
         self._drop_aliases(snapshot_id)
         _unlink_durably(self._manifest_path(snapshot_id))
         _unlink_durably(self._deleted / snapshot_id)
+        _unlink_durably(self._claims / snapshot_id)
         shutil.rmtree(self._leases / snapshot_id, ignore_errors=True)
         return self._sweep_blobs(blobs, grace) if blobs else ([], 0)
 

@@ -59,6 +59,12 @@ class Storage:
     heartbeat: Heartbeat
     cache: BlobCache | None = None
 
+    @property
+    def shared(self) -> bool:
+        """Whether other nodes may use the repository: an s3 one (its blobs are copies, never
+        this node's files), so pauses are committed to it for them (`aenv.snapshot.handover`)."""
+        return self.runtime is not None
+
 
 def open_storage(settings: Settings, node: str) -> Storage:
     """The repository named by the settings, its resolver and a started heartbeat."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..snapshot.manifest import MachineShape, SnapshotManifest
     from ..snapshot.repository import GcReport
     from ..vmm.launcher import BootFiles
+    from .cache import CacheStats
 
 
 class Repository(Protocol):
@@ -46,6 +47,10 @@ class Repository(Protocol):
     def staging_dir(self) -> Path: ...
     def discard_staging(self, path: Path) -> None: ...
     def cleanup_staging(self, older_than: float | None = None) -> int: ...
+    def pending_dir(self) -> Path:
+        """Where captures wait for their commit (`aenv.snapshot.pending`): on the staging
+        tier's filesystem, so storing from it is as cheap, and kept across restarts."""
+        ...
 
     # -- manifests and aliases
     def commit(self, manifest: SnapshotManifest) -> None: ...
@@ -71,6 +76,14 @@ class Repository(Protocol):
         ...
 
     def gc(self, *, grace_seconds: float | None = None) -> GcReport: ...
+
+    # -- claims: a snapshot taken over by one node, once (a paused sandbox moving between nodes)
+    def claim(self, snapshot_id: str) -> str:
+        """Claim the snapshot for this node unless another did first; returns the claiming node."""
+        ...
+
+    def claimant(self, snapshot_id: str) -> str | None: ...
+    def unclaim(self, snapshot_id: str) -> None: ...
 
 
 class RuntimeResolver(Protocol):
@@ -110,6 +123,10 @@ class RuntimeResolver(Protocol):
 
         Blocking: a remote repository uploads the sealed layers it does not hold yet.
         """
+        ...
+
+    def cache_stats(self) -> CacheStats | None:
+        """The node's runtime cache, if files are cached (None: used in place)."""
         ...
 
     def prune(self, is_live: Callable[[str], bool]) -> int:

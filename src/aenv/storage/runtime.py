@@ -30,7 +30,7 @@ from ..snapshot import devstate
 from ..snapshot.manifest import DIGEST_RE, MachineShape, SnapshotManifest
 from ..snapshot.repository import SnapshotRepository
 from ..vmm.launcher import BootFiles
-from .cache import BlobCache
+from .cache import BlobCache, CacheStats
 from .layers import LayerError, LayerStore
 from .protocols import Repository
 
@@ -93,6 +93,10 @@ class LocalRuntime:
         """Layer ids, as they are: sealed layers stay in this node's layer store."""
         return tuple(layers)
 
+    def cache_stats(self) -> CacheStats | None:
+        """None: nothing is cached, the repository's files are used in place."""
+        return None
+
     def prune(self, is_live: Callable[[str], bool]) -> int:
         removed = 0
         for stream in self._dir.glob(f"*{STREAM_SUFFIX}"):
@@ -115,6 +119,9 @@ class CachedRuntime(LocalRuntime):
             self._remote.fetch_blob(digest, dest)
 
         return self.cache.get(digest.removeprefix("sha256:"), fetch, owner)
+
+    def cache_stats(self) -> CacheStats | None:
+        return self.cache.stats()
 
     def prepare(self, manifest: SnapshotManifest) -> None:
         """Fetch every blob the snapshot needs and materialize its disk chain, all pinned by it."""

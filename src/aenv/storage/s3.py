@@ -10,6 +10,7 @@ primitives instead of a lock file, so that several nodes can share one bucket. K
     leases/<id>/<holder>      one per holder using the snapshot; holds the id of the holder's node
     nodes/<node>              the node's heartbeat: its LastModified is when it last said it lives
     deleted/<id>              tombstone: deleted while leased, removed when the last lease goes
+    claims/<id>               the node that took the snapshot over (``If-None-Match: *``: once)
 
 - Blobs are verified twice: the store checks each upload (``ChecksumSHA256`` of a single PUT is
   the blob's own digest; each multipart part carries its ``Content-MD5``) and every read rehashes
@@ -84,6 +85,7 @@ log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 MIN_PART = 5 * MIB  # S3's smallest part (all but the last)
+PRECONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,6 +342,10 @@ class S3Repository:
         self._own_staging.add(path)
         return path
 
+    def pending_dir(self) -> Path:
+        """Captures awaiting their commit (upload): a local directory beside staging."""
+        return self._staging.parent / "pending"
+
     def discard_staging(self, path: Path) -> None:
         self._own_staging.discard(Path(path))
         shutil.rmtree(path, ignore_errors=True)
@@ -370,7 +376,7 @@ class S3Repository:
         try:
             self._put(self._manifest_key(manifest.id), manifest.to_json().encode(), IfNoneMatch="*")
         except ClientError as exc:
-            if _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            if _code(exc) in PRECONDITION_FAILED:
                 raise SnapshotExists(f"snapshot {manifest.id!r} is already committed") from None
             raise
         if manifest.alias is not None:
@@ -507,6 +513,32 @@ class S3Repository:
         self._drop_aliases(snapshot_id)
         return False
 
+    # ---- claims (a hand-over that happens once) --------------------------------------------------
+
+    def claim(self, snapshot_id: str) -> str:
+        """Take the snapshot over for this node: the first conditional write wins; returns the winner."""
+        key = self._claim_key(snapshot_id)
+        try:
+            self._put(key, self.node.encode(), IfNoneMatch="*")
+        except ClientError as exc:
+            if _code(exc) not in PRECONDITION_FAILED:
+                raise
+        return self.claimant(snapshot_id) or self.node
+
+    def claimant(self, snapshot_id: str) -> str | None:
+        data = self._read(self._claim_key(snapshot_id))
+        return None if data is None else data.decode()
+
+    def unclaim(self, snapshot_id: str) -> None:
+        """Give up this node's claim (a take-over that failed before it used the snapshot)."""
+        if self.claimant(snapshot_id) == self.node:
+            self._delete(self._claim_key(snapshot_id))
+
+    def _claim_key(self, snapshot_id: str) -> str:
+        if not isinstance(snapshot_id, str) or not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
+            raise InvalidName(f"invalid snapshot id {snapshot_id!r}")
+        return self._key("claims", snapshot_id)
+
     # ---- garbage collection --------------------------------------------------------------------
 
     def gc(self, *, grace_seconds: float | None = None) -> GcReport:
@@ -527,6 +559,9 @@ class S3Repository:
                 gone, size = self._remove(entry["Name"], grace)
                 removed += gone
                 freed += size
+        for entry in self._list("claims", "")[0]:
+            if entry["Name"] not in manifests:
+                self._delete(entry["Key"])
         removed_aliases = []
         for entry in self._list("aliases", "")[0]:
             if self._alias_target(entry["Name"])[0] is None:
@@ -605,7 +640,7 @@ class S3Repository:
                 self._put(key, snapshot_id.encode(), **condition)
                 return
             except ClientError as exc:
-                if _code(exc) not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                if _code(exc) not in PRECONDITION_FAILED:
                     raise
         raise RepositoryError(f"alias {alias!r} keeps changing; try again")
 
@@ -645,6 +680,7 @@ class S3Repository:
         self._drop_aliases(snapshot_id)
         self._delete(self._manifest_key(snapshot_id))
         self._delete(self._key("deleted", snapshot_id))
+        self._delete(self._claim_key(snapshot_id))
         for entry in self._list("leases", snapshot_id, "")[0]:
             self._delete(entry["Key"])
         return self._sweep_blobs(blobs, grace) if blobs else ([], 0)

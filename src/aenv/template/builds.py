@@ -26,7 +26,7 @@ from typing import Any
 
 from aenv.clock import rfc3339
 from aenv.snapshot.engine import SnapshotEngine
-from aenv.snapshot.manifest import SnapshotManifest
+from aenv.snapshot.manifest import RuntimeContext, SnapshotManifest
 from aenv.snapshot.repository import RepositoryError, SnapshotNotFound
 from aenv.snapshot.templates import Stage, StageFailed, StepBuild
 from aenv.template.disk import base_layer, base_layer_key
@@ -77,6 +77,7 @@ class BuildRecord:
     finished_at: str | None = None
     cpu_count: int | None = None
     memory_mb: int | None = None
+    min_free_disk_mb: int | None = None
     snapshot_id: str | None = None
     tags: list[str] = field(default_factory=list)  # what the build is tagged with once ready
     started: bool = False  # its steps arrived (a build runs once)
@@ -177,8 +178,9 @@ class TemplateBuilds:
         tags = sorted({tag or DEFAULT_TAG, *(request.tags or [])})
         record = self.templates.setdefault(name, TemplateRecord(name))
         build = BuildRecord(
-            str(uuid.uuid4()), cpu_count=request.cpu_count, memory_mb=request.memory_mb, tags=tags
-        )
+            str(uuid.uuid4()), cpu_count=request.cpu_count, memory_mb=request.memory_mb,
+            min_free_disk_mb=request.min_free_disk_mb, tags=tags,
+        )  # fmt: skip
         record.builds[build.build_id] = build
         self._save(record)
         return record, build, tags
@@ -246,14 +248,18 @@ class TemplateBuilds:
         def say(stage: str, message: str) -> None:
             build.logs.append(_entry("info", message, stage))
 
-        base, state, provision = await self._base(start, say)
+        base, state, provision, parent = await self._base(start, say)
+        start_cmd, ready_cmd = start.start_cmd, start.ready_cmd
+        if start_cmd is None and ready_cmd is None and parent is not None:
+            start_cmd, ready_cmd = parent.start_cmd, parent.ready_cmd  # inherited, as in E2B
         forced_from = first_forced(start)
         stages = [Stage("base", PROVISION, StepRunner.provision, start.force)] if provision else []
         for index, step in enumerate(start.steps):
             stages.append(Stage(step_name(index), step, _runs(step), index >= forced_from))
         plan = StepBuild(
-            base=base, state=state, stages=stages, start_cmd=start.start_cmd, ready_cmd=start.ready_cmd,
+            base=base, state=state, stages=stages, start_cmd=start_cmd, ready_cmd=ready_cmd,
             vcpus=build.cpu_count, memory_mib=build.memory_mb or 512,
+            min_free_disk_mib=build.min_free_disk_mb,
             metadata={BUILT_MARK: build.build_id},
         )  # fmt: skip
         return await self.engine.templates.build_steps(
@@ -263,8 +269,11 @@ class TemplateBuilds:
             say,
         )
 
-    async def _base(self, start: BuildStart, say: Any) -> tuple[tuple[str, ...], BuildState, bool]:
-        """The layers a build starts on, the state they carry, and whether to provision them."""
+    async def _base(
+        self, start: BuildStart, say: Any
+    ) -> tuple[tuple[str, ...], BuildState, bool, RuntimeContext | None]:
+        """The layers a build starts on, the state they carry, whether to provision them, and the
+        runtime of the template it builds on (if it does)."""
         if start.from_image is not None and _is_e2b_base(start.from_image):
             start = start.model_copy(update={"from_image": None, "from_template": BASE_TEMPLATE})
         if start.from_template is not None:
@@ -280,7 +289,7 @@ class TemplateBuilds:
                 user=runtime.user or DEFAULT_USER,
                 workdir=runtime.workdir or f"/home/{DEFAULT_USER}",
             )
-            return tuple(manifest.disk_layers), state, False
+            return tuple(manifest.disk_layers), state, False, runtime
         assert start.from_image is not None  # the model requires one of the two
         registry = start.from_image_registry
         credentials = (
@@ -294,7 +303,7 @@ class TemplateBuilds:
         except ImageError as exc:
             raise StageFailed("base", str(exc)) from exc
         layer = self.engine.layers.import_base(disk, base_layer_key(image))
-        return (layer,), BuildState(env=image.config.env_vars), True
+        return (layer,), BuildState(env=image.config.env_vars), True, None
 
     def _publish(self, record: TemplateRecord, build: BuildRecord, tags: list[str]) -> None:
         """Point the tags and the name at the new build; drop builds nothing points at any more."""

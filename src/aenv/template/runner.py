@@ -37,6 +37,10 @@ from aenv.vmm.envd_link import EnvdLink
 STEP_TIMEOUT = 3600.0  # seconds a RUN may take
 # The command is the script's $1: bash when the image has it (E2B's shell), else POSIX sh.
 SHELL = ["/bin/sh", "-c", 'if [ -x /bin/bash ]; then exec /bin/bash -c "$1"; fi; exec /bin/sh -c "$1"', "sh"]
+# Start and ready commands run in a login shell, as E2B runs them (`bash -l -c`).
+LOGIN_SHELL = [
+    "/bin/sh", "-c", 'if [ -x /bin/bash ]; then exec /bin/bash -l -c "$1"; fi; exec /bin/sh -l -c "$1"', "sh",
+]  # fmt: skip
 Log = Callable[[str], None]
 
 

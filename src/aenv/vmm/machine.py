@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -42,6 +44,10 @@ MACHINE_TYPE = "microvm,pit=off,pic=off,rtc=off"
 # QEMU's whole environment: it needs none of the node's (which holds the API key and any other
 # secret the node was started with), and a guest escaping into QEMU must find nothing there.
 QEMU_ENVIRONMENT = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+# prctl options: a process's "no transparent huge pages" flag, inherited by its children and kept
+# across execve (see `_without_huge_pages`).
+_PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class MemoryMode(Enum):
@@ -178,8 +184,33 @@ class QemuProcess:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _without_huge_pages() -> Iterator[None]:
+    """Processes spawned inside get no transparent huge pages (THP), whatever they madvise.
+
+    A clone's guest RAM is a file mapping, which THP never backs; what THP backs in QEMU is its
+    own anonymous memory (the TCG translation buffer, which QEMU madvises huge, and a few of its
+    buffers), rounding each touched part up to 2 MiB. Measured with 24 idle clones under TCG
+    (bench density, same run): 44.9 MiB of host RAM per sandbox instead of 46.8. The flag is the
+    node's own for the instant of the spawn (the event loop spawns one process at a time), then
+    restored.
+    """
+    if _libc.prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0) != 0:  # already off for the node itself
+        yield
+        return
+    if _libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        log.warning("cannot turn transparent huge pages off for QEMU: %s", os.strerror(ctypes.get_errno()))
+        yield
+        return
+    try:
+        yield
+    finally:
+        _libc.prctl(_PR_SET_THP_DISABLE, 0, 0, 0, 0)
+
+
 def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> int:
-    """posix_spawn QEMU in a new session with only the descriptors and environment it needs.
+    """posix_spawn QEMU in a new session with only the descriptors and environment it needs,
+    and without transparent huge pages (`_without_huge_pages`).
 
     `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`).
     """
@@ -192,7 +223,8 @@ def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> i
     ]
     if tap_fd is not None:
         actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
-    return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
+    with _without_huge_pages():
+        return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
 
 
 @dataclass
@@ -263,6 +295,29 @@ class VirtualMachine:
 
     def alive(self) -> bool:
         return self.process.returncode is None
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the QEMU process has used so far: under TCG, the guest's work."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def settle(self, window: float = 0.2, busy: float = 0.05, limit: float = 10.0) -> float:
+        """Until the guest is idle: QEMU used at most `busy` of a core over the last `window`
+        seconds, or `limit` seconds passed. Returns the seconds waited.
+
+        A state saved while the guest still works (a connection being torn down, a timer's
+        burst) makes every clone finish that work after its restore, each in a new process that
+        under TCG translates the code afresh.
+        """
+        started = time.monotonic()
+        before = self.cpu_seconds()
+        while time.monotonic() - started < limit:
+            await asyncio.sleep(window)
+            now = self.cpu_seconds()
+            if now - before <= busy * window:
+                break
+            before = now
+        return time.monotonic() - started
 
     async def wait(self, timeout: float | None = None) -> int:
         """Wait for QEMU to exit; returns its exit status."""

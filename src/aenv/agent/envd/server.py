@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -9,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from .connect import MAX_MESSAGE_BYTES
+from .fastinit import InitFastPath
 from .files_api import FilesAPI
 from .filesystem import FilesystemService
 from .httperr import UNAUTHORIZED, json_error
@@ -103,15 +105,18 @@ def runner_options() -> dict[str, object]:
 
 
 async def serve(state: State, host: str, port: int) -> None:
-    """Run until cancelled."""
-    import asyncio
-
+    """Run until cancelled. Connections meet `InitFastPath` first, which hands them to aiohttp
+    unless they are the node's `/init`."""
     runner = web.AppRunner(build_app(state), access_log=None, **runner_options())  # type: ignore[arg-type]
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    server = runner.server
+    assert server is not None
+    listener = await asyncio.get_running_loop().create_server(
+        lambda: InitFastPath(state, server), host, port, reuse_address=True
+    )
     log.info("envd listening on %s:%d (user %s)", host, port, state.default_user)
     try:
         await asyncio.Event().wait()
     finally:
+        listener.close()
         await runner.cleanup()

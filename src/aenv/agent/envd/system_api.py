@@ -8,6 +8,7 @@ import binascii
 import logging
 import re
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -67,6 +68,59 @@ def add_entropy(data: bytes) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class InitRequest:
+    """What a valid `/init` body asks for."""
+
+    env_vars: dict[str, str]
+    token: str
+    user: str
+    workdir: str
+    timestamp: int | None  # Unix nanoseconds
+    entropy: bytes | None
+    mounts: (
+        list[volumes.VolumeMount] | None
+    )  # volumes to mount from the node (aenv.volumes); None: leave as is
+
+    def apply(self, state: State) -> None:
+        if self.timestamp is not None:
+            sync_clock(self.timestamp)
+        if self.entropy:
+            add_entropy(self.entropy)
+        state.env_vars.update(self.env_vars)
+        if self.token:
+            state.access_token = self.token
+        if self.user:
+            state.default_user = self.user
+        if self.workdir:
+            state.default_workdir = self.workdir
+        state.save()
+
+
+def parse_init(raw: bytes) -> InitRequest | str:
+    """An `/init` body, checked; or why it is refused (a 400's message)."""
+    try:
+        body: Any = loads(raw)
+    except ValueError:
+        return "invalid JSON body"
+    if not isinstance(body, dict):
+        return "body must be a JSON object"
+    try:
+        env_vars = string_map(body.get("envVars"), "envVars")
+        token, user, workdir = (text(body, name) for name in ("accessToken", "defaultUser", "defaultWorkdir"))
+        c_string(user, "defaultUser")
+        if workdir:
+            path_string(workdir, "defaultWorkdir")
+        timestamp = parse_rfc3339_ns(text(body, "timestamp")) if body.get("timestamp") else None
+        entropy = base64.b64decode(text(body, "entropy"), validate=True) if body.get("entropy") else None
+        mounts = volumes.parse(body["volumeMounts"]) if "volumeMounts" in body else None
+    except ConnectError as e:
+        return e.message
+    except (ValueError, binascii.Error) as e:
+        return f"invalid init field: {e}"
+    return InitRequest(env_vars, token, user, workdir, timestamp, entropy, mounts)
+
+
 class SystemAPI:
     def __init__(self, state: State, history: MetricsHistory) -> None:
         self.state = state
@@ -92,48 +146,21 @@ class SystemAPI:
         from_node = self.state.host_peer is not None and request.remote == self.state.host_peer
         if current and not from_node and not same_secret(request.headers.get("X-Access-Token", ""), current):
             return json_error(401, UNAUTHORIZED)
-        try:
-            body: Any = loads(await request.read())
-        except ValueError:
-            return json_error(400, "invalid JSON body")
-        if not isinstance(body, dict):
-            return json_error(400, "body must be a JSON object")
-        try:
-            env_vars = string_map(body.get("envVars"), "envVars")
-            token, user, workdir = (
-                text(body, name) for name in ("accessToken", "defaultUser", "defaultWorkdir")
-            )
-            c_string(user, "defaultUser")
-            if workdir:
-                path_string(workdir, "defaultWorkdir")
-            timestamp = parse_rfc3339_ns(text(body, "timestamp")) if body.get("timestamp") else None
-            entropy = base64.b64decode(text(body, "entropy"), validate=True) if body.get("entropy") else None
-            mounts = volumes.parse(body["volumeMounts"]) if "volumeMounts" in body else None
-        except ConnectError as e:
-            return json_error(400, e.message)
-        except (ValueError, binascii.Error) as e:
-            return json_error(400, f"invalid init field: {e}")
-        if timestamp is not None:
-            sync_clock(timestamp)
-        if entropy:
-            add_entropy(entropy)
-        if mounts is not None:
+        parsed = parse_init(await request.read())
+        if isinstance(parsed, str):
+            return json_error(400, parsed)
+        if parsed.mounts is not None:
             if self.state.host_peer is None:
                 return json_error(400, "volumeMounts need the node's address (envd runs without --host-peer)")
             try:
-                await asyncio.to_thread(volumes.apply, self.state.host_peer, mounts)
+                await asyncio.to_thread(volumes.apply, self.state.host_peer, parsed.mounts)
             except OSError as e:
                 return json_error(500, str(e))
-        self.state.env_vars.update(env_vars)
-        if token:
-            self.state.access_token = token
-        if user:
-            self.state.default_user = user
-        if workdir:
-            self.state.default_workdir = workdir
-        self.state.save()
-        if mounts is not None:  # the node checks that this guest mounted them (an older envd ignores them)
-            return web.json_response({"volumeMounts": [m.path for m in mounts]})
+        parsed.apply(self.state)
+        if (
+            parsed.mounts is not None
+        ):  # the node checks that this guest mounted them (an older envd ignores them)
+            return web.json_response({"volumeMounts": [m.path for m in parsed.mounts]})
         return web.Response(status=204)
 
     async def envs(self, request: web.Request) -> web.Response:

@@ -1,0 +1,110 @@
+"""The node's own `POST /init`, answered before aiohttp's request machinery sees the connection.
+
+Under TCG every restored guest (a fork's child, a resume after the parked process was released,
+a warm VM) runs in a new QEMU process that translates guest code afresh, and the node's `/init`
+is the first request it answers: the cost of that request's code path is on the path of the
+node's answer, and most of it is aiohttp's (its parser, header maps, request, middleware and
+response objects: thousands of translation blocks, ~0.1 s of emulated CPU). The node's request
+needs none of it. This protocol sits in front of aiohttp on envd's port: a connection from the
+host peer that starts with a well-formed `POST /init` with a `Content-Length` is answered here,
+with the same checks and effects as the HTTP route (`system_api.parse_init`). Anything else — a
+connection from elsewhere, another request, a body `parse_init` refuses, chunked encoding — is
+handed to aiohttp as it arrived, with the bytes read so far, so every other behaviour (and every
+error answer) is aiohttp's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from .state import State
+from .system_api import parse_init
+
+REQUEST_LINE = b"POST /init HTTP/1.1\r\n"
+MAX_HEAD = 16 * 1024  # a larger head is not the node's: aiohttp judges it
+MAX_BODY = 1 << 20
+NO_CONTENT = b"HTTP/1.1 204 No Content\r\nAccess-Control-Allow-Origin: *\r\n"
+
+
+class InitFastPath(asyncio.Protocol):
+    """One connection: the node's `/init` requests answered here until anything else arrives."""
+
+    def __init__(self, state: State, fallback: Callable[[], asyncio.Protocol]):
+        self.state = state
+        self.fallback = fallback
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        host_peer = self.state.host_peer
+        if host_peer is None or not peer or peer[0] != host_peer:
+            self._hand_over()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while self.buffer and self.transport is not None:
+            if not self._answer_one():
+                return
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def _answer_one(self) -> bool:
+        """Answer the buffered `/init` if it is complete; False when more bytes are needed or
+        the connection went to aiohttp."""
+        buffer = self.buffer
+        if not buffer.startswith(REQUEST_LINE[: len(buffer)]):
+            self._hand_over()
+            return False
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > MAX_HEAD:
+                self._hand_over()
+            return False
+        headers = _headers(buffer[len(REQUEST_LINE) : end])
+        length = headers.get(b"content-length", b"")
+        if not length.isdigit() or int(length) > MAX_BODY or b"transfer-encoding" in headers:
+            self._hand_over()
+            return False
+        start = end + 4
+        if len(buffer) < start + int(length):
+            return False
+        parsed = parse_init(buffer[start : start + int(length)])
+        if isinstance(parsed, str) or parsed.mounts is not None:
+            self._hand_over()  # aiohttp answers it: a JSON error, or mounts that take a thread
+            return False
+        parsed.apply(self.state)
+        self.buffer = buffer[start + int(length) :]
+        assert self.transport is not None
+        if headers.get(b"connection", b"").lower() == b"close":
+            self.transport.write(NO_CONTENT + b"Connection: close\r\n\r\n")
+            self.transport.close()
+            self.transport = None
+            return False
+        self.transport.write(NO_CONTENT + b"\r\n")
+        return True
+
+    def _hand_over(self) -> None:
+        """Give the connection, and what was read of it so far, to aiohttp."""
+        transport, data = self.transport, self.buffer
+        self.transport, self.buffer = None, b""
+        assert transport is not None
+        protocol = self.fallback()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if data:
+            protocol.data_received(data)
+
+
+def _headers(head: bytes) -> dict[bytes, bytes]:
+    """Header lines by lower-cased name (a repeated name: the last one; a line without a colon
+    gives no name aiohttp would accept, so it is kept as one that makes the request not ours)."""
+    headers = {}
+    for line in head.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        headers[name.strip().lower() if sep else b"transfer-encoding"] = value.strip()
+    return headers

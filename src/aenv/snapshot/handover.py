@@ -1,0 +1,199 @@
+"""Durable pauses: a paused sandbox committed to a shared repository, so another node resumes it.
+
+On a node whose repository is shared (an s3 one), a pause answers as soon as its state is on the
+node's disk, as every pause does; then, in the background, that state is committed to the
+repository as a hidden snapshot (the *pause snapshot*): the pause's memory delta and device
+state, and every layer of the sandbox's disk chain, its writable top layer included (uploaded
+while nothing writes to it: the VM is stopped). Its alias `aenv.pause.<sandbox id>` lets any
+node find it by sandbox id, and its metadata carry the sandbox's record as the node service
+describes it (`describe`), so the node taking it over knows the sandbox's tokens and settings.
+`SandboxState.durable` names it once it is committed: until then the pause is on this node only,
+and a resume or kill here waits for the upload to end (the disk layer must not change under it).
+
+Who continues the sandbox is decided once, by the repository's claim on the pause snapshot (a
+conditional write): a resume here, a kill here and a take-over elsewhere each claim it first,
+and the loser backs off. The node that loses a paused sandbox this way considers it gone
+(`SandboxMoved`). A take-over starts the sandbox from the pause snapshot like any snapshot,
+with the same sandbox id; the pause snapshot is then deleted, deferred until that sandbox ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..network.egress import EgressPolicy
+from .host import Host
+from .manifest import SnapshotManifest, new_snapshot_id, utc_now
+from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
+
+if TYPE_CHECKING:
+    from .lifecycle import Lifecycle
+
+log = logging.getLogger(__name__)
+
+PAUSE_MARK = "aenv.paused-sandbox"  # metadata of a pause snapshot: the id of the paused sandbox
+
+
+def pause_alias(sandbox_id: str) -> str:
+    return f"aenv.pause.{sandbox_id}"
+
+
+class SandboxMoved(EngineError):
+    """Another node claimed the paused sandbox: it continues there, and is gone from here."""
+
+    def __init__(self, sandbox_id: str, node: str):
+        super().__init__(f"sandbox {sandbox_id} was taken over by node {node}")
+        self.node = node
+
+
+class Handover:
+    """Commits pauses to the repository in the background and hands paused sandboxes over."""
+
+    def __init__(self, host: Host, enabled: bool):
+        self.host = host
+        self.enabled = enabled
+        # The sandbox's description carried by its pause snapshot (set by the node service).
+        self.describe: Callable[[str], dict[str, str]] = lambda sandbox_id: {}
+        # Told a sandbox id when its pause is committed, so the node can report it as durable.
+        self.on_durable: Callable[[str], None] = lambda sandbox_id: None
+        self._uploads: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def node(self) -> str:
+        return self.host.repository.node  # type: ignore[attr-defined,no-any-return]
+
+    # -- this node's side: commit after the pause, claim before a resume or kill ---------------
+
+    def paused(self, state: SandboxState, origin: SnapshotManifest) -> None:
+        """The pause is on this node's disk: commit it to the repository in the background."""
+        if not self.enabled or state.durable is not None:
+            return
+        metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id}
+        task = asyncio.create_task(self._upload(state, origin, metadata))
+        self._uploads[state.sandbox_id] = task
+        task.add_done_callback(lambda _: self._uploads.pop(state.sandbox_id, None))
+
+    async def close(self) -> None:
+        """Let running uploads finish (a node stopping cleanly leaves its pauses durable)."""
+        await asyncio.gather(*self._uploads.values(), return_exceptions=True)
+
+    def recover(self, state: SandboxState) -> None:
+        """After a restart: commit a pause the previous node process had not committed yet."""
+        if not (self.enabled and state.paused and state.durable is None and state.pid is None):
+            return
+        try:
+            origin = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        except Exception as exc:  # the pause stays on this node, resumable here as before
+            log.error("cannot commit the pause of sandbox %s: %s", state.sandbox_id, exc)
+            return
+        self.paused(state, origin)
+
+    async def settle(self, sandbox_id: str) -> None:
+        """Wait for the sandbox's upload, if one runs (the disk layer must not change under it)."""
+        task = self._uploads.get(sandbox_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _upload(self, state: SandboxState, origin: SnapshotManifest, metadata: dict[str, str]) -> None:
+        try:
+            manifest = await asyncio.to_thread(self._commit, state, origin, metadata)
+        except Exception:  # the pause stays on this node; a restart or the next pause tries again
+            log.exception("committing the pause of sandbox %s to the repository failed", state.sandbox_id)
+            return
+        state.durable = manifest.id
+        state.save(self.host.workdir(state.sandbox_id))
+        self.on_durable(state.sandbox_id)
+        log.info("pause of sandbox %s is durable as %s", state.sandbox_id, manifest.id)
+
+    def _commit(
+        self, state: SandboxState, origin: SnapshotManifest, metadata: dict[str, str]
+    ) -> SnapshotManifest:
+        """Upload the pause's files and commit its manifest (blocking: run in a worker thread)."""
+        repository = self.host.repository
+        device_state, deltas, sizes = origin.device_state, (), {}
+        if state.disk_only or state.delta is None or state.devices is None:
+            metadata = {**metadata, DISK_ONLY: "true"}
+        else:
+            delta = repository.put_blob(state.delta)
+            device_state, deltas = repository.put_blob(state.devices), (delta,)
+            sizes = {delta: Path(state.delta).stat().st_size}
+        layers = self.host.runtime.publish_layers(state.disk_layers)
+        manifest = SnapshotManifest(
+            id=new_snapshot_id(), kind="snapshot", alias=pause_alias(state.sandbox_id), created_at=utc_now(),
+            source={"sandbox_id": state.sandbox_id, "snapshot_id": origin.id}, machine=origin.machine,
+            memory_image=origin.memory_image, memory_deltas=deltas, device_state=device_state,
+            vmstate_prefix=origin.vmstate_prefix, disk_layers=layers,
+            runtime=origin.runtime, metadata=metadata, sizes=sizes,
+        )  # fmt: skip
+        repository.commit(manifest)
+        return manifest
+
+    async def claim(self, state: SandboxState) -> str | None:
+        """Before this node resumes or kills the paused sandbox: make sure nobody took it over.
+
+        Returns the pause snapshot now claimed by this node (None if the pause is not durable).
+        The saved state is read again after any upload ended: `state` may predate it.
+        """
+        await self.settle(state.sandbox_id)
+        with contextlib.suppress(OSError, ValueError):
+            state.durable = self.host.load_state(state.sandbox_id).durable
+        if state.durable is None:
+            return None
+        winner = await asyncio.to_thread(self.host.repository.claim, state.durable)
+        if winner != self.node:
+            raise SandboxMoved(state.sandbox_id, winner)
+        return state.durable
+
+    async def unclaim(self, pause: str | None) -> None:
+        """A resume here failed: the paused sandbox may be taken over again."""
+        if pause is not None:
+            await asyncio.to_thread(self.host.repository.unclaim, pause)
+
+    async def retire(self, state: SandboxState, pause: str | None) -> None:
+        """The sandbox resumed or ended here: its pause snapshot (claimed by this node) goes."""
+        if pause is None:
+            return
+        state.durable = None
+        with contextlib.suppress(FileNotFoundError):  # a killed sandbox's directory is gone
+            state.save(self.host.workdir(state.sandbox_id))
+        await asyncio.to_thread(self._delete, pause)
+
+    def moved(self, state: SandboxState) -> str | None:
+        """The node that took the paused sandbox over, if another one did (blocking)."""
+        if state.durable is None:
+            return None
+        winner = self.host.repository.claimant(state.durable)
+        return winner if winner not in (None, self.node) else None
+
+    def _delete(self, snapshot_id: str) -> None:
+        try:
+            self.host.repository.delete(snapshot_id, defer=True)
+        except Exception as exc:  # gone already, or the store is away: gc finds it unclaimed later
+            log.warning("deleting pause snapshot %s failed: %s", snapshot_id, exc)
+
+    # -- the other node's side: take a paused sandbox over -------------------------------------
+
+    def find(self, sandbox_id: str) -> SnapshotManifest:
+        """The committed pause of a sandbox paused on any node (`SnapshotNotFound` if none)."""
+        return self.host.repository.get(pause_alias(sandbox_id))
+
+    async def take_over(
+        self, lifecycle: Lifecycle, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
+    ) -> SandboxVM:
+        """Claim the pause snapshot and continue the sandbox from it here, under the same id."""
+        sandbox_id = pause.metadata[PAUSE_MARK]
+        winner = await asyncio.to_thread(self.host.repository.claim, pause.id)
+        if winner != self.node:
+            raise SandboxMoved(sandbox_id, winner)
+        try:
+            sandbox = await lifecycle.start(pause.id, sandbox_id, init, policy)
+        except BaseException:
+            await asyncio.to_thread(self.host.repository.unclaim, pause.id)
+            raise
+        await asyncio.to_thread(self._delete, pause.id)  # hidden now, removed when the sandbox ends
+        return sandbox

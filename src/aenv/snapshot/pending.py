@@ -1,0 +1,201 @@
+"""Snapshots answered before they are durable: captured on this node, committed in the background.
+
+A snapshot's capture (device state and changed pages, into this pending tier) and the seal of
+its disk happen with the guest stopped; what follows does not need the guest and used to keep
+the caller waiting: hashing and flushing the pages, storing them as blobs (an upload on s3),
+publishing the sealed disk layers (s3) and committing the manifest. Here that runs in the
+background, and the manifest is committed last, only when everything it names is stored.
+Until then:
+
+- the snapshot is this node's alone: the API shows it with `"durable": false` (its `POST` answer,
+  `GET /snapshots`, `GET /snapshots/{id}`), a create from it on this node waits for the commit,
+  and other nodes do not know it yet (404);
+- a delete cancels it: a commit not yet made never happens (else the snapshot is deleted after);
+- its files wait in the repository's `pending_dir()/<id>/`, its disk layers sealed in the layer
+  store (the collector keeps them). Once the pages are hashed and flushed, the manifest to
+  commit is written beside them (`manifest.json`): a node process that ends after that point
+  finishes the commit at its next start (`recover`, checking every file against its digest);
+  one that ends before it rolls the snapshot back. Nobody ever sees half a snapshot.
+
+On posix_fs the files become blobs by rename (the pending directory is beside the repository's
+staging), so the background part costs the hash and the flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .host import Host
+from .manifest import SnapshotManifest
+from .repository import file_digest
+
+log = logging.getLogger(__name__)
+
+PENDING_MARK = "aenv.pending"  # metadata of a snapshot answered but not committed yet (never stored)
+MANIFEST = "manifest.json"
+CAPTURE = "snapshot"  # the capture's file stem: <stem>.devices and <stem>.delta
+DEVICES = f"{CAPTURE}.devices"
+DELTA = f"{CAPTURE}.delta"
+
+
+@dataclass
+class _Entry:
+    # As it will be committed (disk layers: this node's layer ids), but for the digests of the
+    # captured files until they are hashed (`_complete`).
+    manifest: SnapshotManifest
+    directory: Path
+    complete: bool  # the digests are in, and manifest.json is written: a restart finishes it
+    cancelled: bool = False
+    committed: bool = False
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    task: asyncio.Task[None] | None = None
+
+
+class PendingSnapshots:
+    """This node's snapshots between their capture and their commit."""
+
+    def __init__(self, host: Host, root: Path):
+        self.host = host
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._entries: dict[str, _Entry] = {}
+
+    def directory(self, snapshot_id: str) -> Path:
+        """Where a snapshot's capture goes before it is committed (made here, empty)."""
+        path = self.root / snapshot_id
+        path.mkdir()
+        return path
+
+    def add(self, draft: SnapshotManifest, directory: Path) -> None:
+        """Commit the snapshot captured into `directory` in the background (`draft`: its manifest,
+        without the captured files' digests, unless it is disk-only)."""
+        self._start(_Entry(draft, directory, complete=False))
+
+    def _start(self, entry: _Entry) -> None:
+        self._entries[entry.manifest.id] = entry
+        entry.task = asyncio.create_task(self._run(entry))
+
+    async def _run(self, entry: _Entry) -> None:
+        try:
+            await asyncio.to_thread(self._commit, entry)
+        except Exception as exc:  # rolled back: the snapshot never becomes visible
+            log.exception("committing snapshot %s failed; it is rolled back", entry.manifest.id)
+            shutil.rmtree(entry.directory, ignore_errors=True)
+            entry.error = exc
+        finally:
+            self._entries.pop(entry.manifest.id, None)
+
+    def _complete(self, entry: _Entry) -> None:
+        """Hash and flush the captured files, then write the manifest beside them (the point
+        from which a restart finishes the commit instead of rolling it back)."""
+        directory, manifest = entry.directory, entry.manifest
+        delta, devices = directory / DELTA, directory / DEVICES
+        if devices.exists():
+            for path in (delta, devices):
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            pages, state = file_digest(delta), file_digest(devices)
+            manifest = dataclasses.replace(
+                manifest, memory_deltas=(pages,), device_state=state, sizes={pages: delta.stat().st_size}
+            )
+        tmp = directory / f".{MANIFEST}.tmp"
+        with open(tmp, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / MANIFEST)
+        entry.manifest, entry.complete = manifest, True
+
+    def _commit(self, entry: _Entry) -> None:
+        """Store the files, publish the disk layers, commit the manifest (blocking: a worker thread)."""
+        if not entry.complete:
+            self._complete(entry)
+            verify = False  # hashed just now
+        else:
+            verify = True  # written by a previous node process: check before trusting
+        repository, manifest, directory = self.host.repository, entry.manifest, entry.directory
+        if manifest.memory_deltas:
+            repository.put_blob(directory / DELTA, digest=manifest.memory_deltas[0], move=True, verify=verify)
+            repository.put_blob(directory / DEVICES, digest=manifest.device_state, move=True, verify=verify)
+        layers = self.host.runtime.publish_layers(list(manifest.disk_layers))
+        with entry.lock:
+            if entry.cancelled:
+                shutil.rmtree(directory, ignore_errors=True)
+                return
+            repository.commit(dataclasses.replace(manifest, disk_layers=layers))
+            entry.committed = True
+        shutil.rmtree(directory, ignore_errors=True)
+
+    # -- what the node asks about pending snapshots ------------------------------------------
+
+    def get(self, id_or_alias: str) -> SnapshotManifest | None:
+        """A pending snapshot by id or alias, marked with `PENDING_MARK`; None if there is none."""
+        for entry in self._entries.values():
+            manifest = entry.manifest
+            if id_or_alias in (manifest.id, manifest.alias) and not entry.cancelled:
+                return dataclasses.replace(manifest, metadata={**manifest.metadata, PENDING_MARK: "true"})
+        return None
+
+    def list(self) -> list[SnapshotManifest]:
+        found = (self.get(snapshot_id) for snapshot_id in list(self._entries))
+        return [manifest for manifest in found if manifest is not None]
+
+    def aliases(self) -> set[str]:
+        return {e.manifest.alias for e in self._entries.values() if e.manifest.alias and not e.cancelled}
+
+    def layers(self) -> set[str]:
+        """Disk layers pending snapshots name (garbage collection, in a worker thread, keeps them)."""
+        return {layer for entry in list(self._entries.values()) for layer in entry.manifest.disk_layers}
+
+    async def settle(self, id_or_alias: str) -> None:
+        """Wait until the pending snapshot (if it is one) is committed or rolled back."""
+        for entry in list(self._entries.values()):
+            if id_or_alias in (entry.manifest.id, entry.manifest.alias) and entry.task is not None:
+                await asyncio.shield(entry.task)
+
+    async def committed(self, snapshot_id: str) -> None:
+        """Wait for the pending snapshot's commit; its error if it was rolled back."""
+        entry = self._entries.get(snapshot_id)
+        if entry is not None and entry.task is not None:
+            await asyncio.shield(entry.task)
+            if entry.error is not None:
+                raise entry.error
+
+    async def cancel(self, snapshot_id: str) -> bool:
+        """Delete a pending snapshot; False if its commit was made already (delete it as any)."""
+        entry = self._entries.get(snapshot_id)
+        if entry is None:
+            return False
+        with entry.lock:
+            entry.cancelled = not entry.committed
+        if entry.task is not None:
+            await asyncio.shield(entry.task)
+        return not entry.committed
+
+    async def close(self) -> None:
+        """Let the commits in progress finish (a node stopping cleanly leaves nothing pending)."""
+        await asyncio.gather(*(e.task for e in self._entries.values() if e.task), return_exceptions=True)
+
+    def recover(self) -> int:
+        """At start: finish the commits a previous node process left; returns how many."""
+        resumed = 0
+        for directory in sorted(self.root.iterdir()):
+            try:
+                manifest = SnapshotManifest.from_json((directory / MANIFEST).read_text())
+            except (OSError, ValueError):  # not hashed and flushed yet: rolled back
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            if self.host.repository.is_live(manifest.id):
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            self._start(_Entry(manifest, directory, complete=True))
+            resumed += 1
+        return resumed
