@@ -119,6 +119,8 @@ class FakeNode:
         self.full = False
         self.builds: dict[str, bytes] = {}
         self.uploads: dict[str, list[bytes]] = {}
+        # Durable pauses by sandbox id: the shared repository, when nodes are given the same dict.
+        self.repository: dict[str, SandboxRecord] = {}
 
     def _get(self, sandbox_id: str) -> SandboxRecord:
         if sandbox_id not in self.sandboxes:
@@ -152,6 +154,13 @@ class FakeNode:
         if sandbox.state != State.RUNNING:
             raise Conflict(f"sandbox {sandbox_id} is not running")
         sandbox.state = State.PAUSED
+
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        if sandbox_id not in self.repository:
+            raise NotFound(f"sandbox {sandbox_id} has no durable pause")
+        sandbox = dataclasses.replace(self.repository.pop(sandbox_id), state=State.RUNNING)
+        self.sandboxes[sandbox_id] = sandbox
+        return sandbox
 
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True

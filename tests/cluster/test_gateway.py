@@ -92,6 +92,26 @@ async def test_creates_spread_over_nodes_and_each_call_reaches_the_holder(cluste
     assert missing.status_code == 404 and missing.json()["code"] == 404
 
 
+async def test_a_durable_pause_on_a_down_node_resumes_on_another(cluster: Cluster) -> None:
+    cluster.nodes["nb"].repository = cluster.nodes["na"].repository  # one shared repository
+    cluster.nodes["nb"].full = True
+    sandbox_id = (await cluster.create())["sandboxID"]
+    assert cluster.scheduler.bound[sandbox_id].node_id == "na"
+    cluster.nodes["nb"].full = False
+    assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+    cluster.scheduler.set_status("na", NodeState.DOWN)
+    local = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    assert local.status_code == 503  # not durable: only its own node can resume it
+    record = cluster.nodes["na"].sandboxes[sandbox_id]
+    cluster.nodes["na"].repository[sandbox_id] = record  # the pause was committed
+    await cluster.scheduler.bind(cluster.scheduler.bound[sandbox_id].model_copy(update={"durable": True}))
+    moved = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    assert moved.status_code == 201, moved.text
+    assert cluster.scheduler.bound[sandbox_id].node_id == "nb"
+    assert cluster.scheduler.bound[sandbox_id].state == "running"
+    assert (await cluster.gateway.get(f"/sandboxes/{sandbox_id}")).json()["clientID"] == "nb"
+
+
 async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None:
     ids = {(await cluster.create(metadata={"job": "a"}))["sandboxID"] for _ in range(5)}
     await cluster.create(metadata={"job": "b"})

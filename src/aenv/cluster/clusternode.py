@@ -12,7 +12,9 @@ Nothing is kept here between calls: the bindings are the scheduler's (in Redis),
 nodes'. So any number of gateways can run, and losing one loses nothing.
 
 A sandbox whose node is down is reported, not guessed at: a running one as lost (404, as a node
-reports a lost VM), a paused one as unavailable until its node is back.
+reports a lost VM). A paused one whose pause is durable (committed to the shared repository) is
+resumed by another node with room, which takes it over (`NodeService.take_over`); a node-local
+pause is unavailable until its node is back.
 """
 
 from __future__ import annotations
@@ -202,6 +204,9 @@ class ClusterNode:
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True
     ) -> tuple[SandboxRecord, bool]:
+        if memory and (moved := await self._elsewhere(sandbox_id, timeout)) is not None:
+            return moved, True
+
         async def connect(node: RemoteNode, binding: Binding) -> tuple[SandboxRecord, bool]:
             record, resumed = await node.connect(sandbox_id, timeout, memory=memory)
             await self._rebind(binding, record)
@@ -210,12 +215,46 @@ class ClusterNode:
         return await self._on_holder(sandbox_id, connect)
 
     async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord:
+        if memory and (moved := await self._elsewhere(sandbox_id, timeout)) is not None:
+            return moved
+
         async def resume(node: RemoteNode, binding: Binding) -> SandboxRecord:
             record = await node.resume(sandbox_id, timeout, memory=memory)
             await self._rebind(binding, record)
             return record
 
         return await self._on_holder(sandbox_id, resume)
+
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        """Resume a durably paused sandbox on another node than the one holding it."""
+        try:
+            binding, _ = await self.scheduler.locate(sandbox_id)
+        except NotFound:
+            raise NotFound(f"sandbox {sandbox_id} not found") from None
+        return await self._take_over(binding, timeout)
+
+    async def _elsewhere(self, sandbox_id: str, timeout: int | None) -> SandboxRecord | None:
+        """A durable pause whose node is down, resumed on another node; None for any other case
+        (the holder's own answer, or `locate`'s error, is then the truth)."""
+        try:
+            binding, info = await self.scheduler.locate(sandbox_id)
+        except NotFound:
+            return None
+        if info.status != NodeState.DOWN or binding.state != "paused" or not binding.durable:
+            return None
+        return await self._take_over(binding, timeout)
+
+    async def _take_over(self, binding: Binding, timeout: int | None) -> SandboxRecord:
+        """On the scheduler's choice of node (not the holder), which claims the pause in the
+        repository; a refused claim (409: taken by another) is the answer."""
+        placement = Placement(
+            kind="resume", sandbox_id=binding.sandbox_id, template=binding.template_id,
+            exclude=[binding.node_id],
+        )  # fmt: skip
+        info = await self.scheduler.place(placement)
+        record = await self.remote(info).take_over(binding.sandbox_id, timeout)
+        await self._bind(record, info.node_id)
+        return record
 
     async def _rebind(self, binding: Binding, record: SandboxRecord) -> None:
         if binding.state != "running":

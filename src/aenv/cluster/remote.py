@@ -105,6 +105,9 @@ class RemoteNode:
     async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord:
         return await self._call("resume", sandbox_id=sandbox_id, timeout=timeout, memory=memory)
 
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        return await self._call("take_over", sandbox_id=sandbox_id, timeout=timeout)
+
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self._call("set_timeout", sandbox_id=sandbox_id, timeout=timeout)
 
