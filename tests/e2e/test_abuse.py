@@ -65,7 +65,19 @@ def test_qemu_runs_confined(node: NodeServer, sandboxes: Sandboxes) -> None:
         for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
         if line.split()[4] == "/"
     )
-    assert root[5].startswith("ro")  # the host's filesystem, read-only
+    assert root[5].startswith("ro")  # a root of its own, read-only
+    uid = int(fields["Uid"].split()[0])
+    assert uid != 0 and int(fields["Gid"].split()[0]) != 0  # the VMM user
+    view = Path(f"/proc/{pid}/root")
+    assert not (view / str(node.home / "node.db").lstrip("/")).exists()  # only what VMs use is there
+    assert not (view / "home").exists() and (view / str(node.home / "layers").lstrip("/")).is_dir()
+    state = json.loads((node.home / "sandboxes" / sandbox.sandbox_id / "state.json").read_text())
+    *sealed, top = [node.home / "layers" / f"{layer}.qcow2" for layer in state["disk_layers"]]
+    assert top.stat().st_uid == uid  # the one file it writes by name
+    assert all(layer.stat().st_uid == 0 for layer in sealed if layer.exists())
+    image = next(line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                 if "/blobs/" in line)  # fmt: skip
+    assert os.stat(image).st_uid == 0 and not os.stat(image).st_mode & 0o022  # immutable to QEMU
     group = memory_group(pid)
     assert group.name == f"vm-{pid}" and group.parent.name == "aenv"
     info = Sandbox.get_info(sandbox.sandbox_id)
