@@ -44,7 +44,8 @@ def test_command_joins_the_mount_view_first() -> None:
 
 def test_command_runs_qemu_as_the_runtime_user() -> None:
     argv = Confinement(user=RuntimeUser(uid=900, gid=901, groups=(107,))).command(["qemu"])
-    assert argv[:4] == ["setpriv", "--reuid=900", "--regid=901", "--groups=107"]
+    real = f"--rgid={confine.REAL_GROUP}"
+    assert argv[:5] == ["setpriv", "--reuid=900", real, "--egid=901", "--groups=107"]
     assert "--clear-groups" in Confinement(user=RuntimeUser(900, 901)).command(["qemu"])
 
 
@@ -57,7 +58,7 @@ def test_mount_view_holds_only_the_vm_directories(tmp_path: Path) -> None:
     (secrets / "api-key").write_text("key")
     (readable / "image").write_text("image")
     os.chmod(home, 0o700)
-    nobody = RuntimeUser(uid=65534, gid=65534)
+    nobody = RuntimeUser(uid=65534, gid=65533)  # a group apart from confine.REAL_GROUP
     view = MountView.start([writable], [readable])
     try:
         confined = Confinement(seccomp=False, mount_namespace=view.namespace, user=nobody)
@@ -68,6 +69,10 @@ def test_mount_view_holds_only_the_vm_directories(tmp_path: Path) -> None:
             return subprocess.run(argv, capture_output=True, text=True)
 
         assert run(f"id -u && cat {readable}/image").stdout == "65534\nimage"
+        # Non-dumpable (real and effective group differ): its /proc files are root's, no peer traces
+        # it. Not through sh, which makes its effective group its real one.
+        owner = subprocess.run(confined.command(["stat", "-c", "%U", "/proc/self/mem"]), capture_output=True)
+        assert owner.stdout == b"root\n"
         assert run(f"touch {writable}/layer && echo ok", as_root).stdout == "ok\n"
         assert "Permission denied" in run(f"touch {writable}/other").stderr  # root's directory
         assert "Read-only" in run(f"touch {readable}/x", as_root).stderr

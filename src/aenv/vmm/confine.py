@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 DROP_PRIVILEGES = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--")
 DEFAULT_USER = "aenv-vmm"
+# QEMU's real group, different from its effective one (the user's group): the kernel then marks
+# every VMM non-dumpable at exec, so that VMMs, which share a uid, cannot trace or read each
+# other (ptrace, /proc/<pid>/mem, process_vm_readv). The overflow group grants nothing.
+REAL_GROUP = 65534
 KVM_DEVICE = Path("/dev/kvm")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
@@ -79,7 +83,7 @@ class RuntimeUser:
 
     def setpriv(self) -> list[str]:
         groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
-        return [f"--reuid={self.uid}", f"--regid={self.gid}", groups]
+        return [f"--reuid={self.uid}", f"--rgid={REAL_GROUP}", f"--egid={self.gid}", groups]
 
 
 @dataclass(frozen=True)
