@@ -235,9 +235,11 @@ class Confinement:
             self.cgroups.join(name, pid)
 
     def release(self, pid: int) -> None:
-        """After the QEMU process `pid` exited: delete its group."""
+        """After the QEMU process `pid` exited: delete its group, and any other group left empty by
+        a VM that ended unwatched (one a crashed node left, killed by pid at the next start)."""
         if self.cgroups is not None:
             self.cgroups.remove(group_name(pid))
+            self.cgroups.remove_unused()
 
 
 def group_name(pid: int) -> str:
