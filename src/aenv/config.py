@@ -58,8 +58,10 @@ class Settings:
     # Confinement and limits of every VMM (aenv.vmm.confine): no capabilities and a seccomp filter
     # (vmm_confine; off only to measure its cost or debug QEMU), a cgroup per VM bounding CPU to its
     # vCPUs, memory to guest RAM plus vmm_memory_overhead_mib (QEMU itself, its TCG translation
-    # cache and I/O buffers) and its threads to vmm_pids_max.
+    # cache and I/O buffers) and its threads to vmm_pids_max. QEMU runs as vmm_user (a system user
+    # the node creates if missing; empty: uid 0 without capabilities).
     vmm_confine: bool = True
+    vmm_user: str = "aenv-vmm"
     vmm_cgroups: bool = True
     vmm_memory_overhead_mib: int = 192
     vmm_pids_max: int = 256

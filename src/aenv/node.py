@@ -20,13 +20,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from . import __version__
+from . import __version__, paths
 from .api import schemas
 from .api.runner import APIRunner
 from .api.server import NodeAPI
 from .cluster.membership import Membership
 from .config import Settings, load_settings
-from .guest.artifacts import ensure_guest_artifacts
+from .guest.artifacts import GuestArtifacts, ensure_guest_artifacts
 from .network.pool import NetworkPool
 from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
 from .orchestrator.housekeeping import Housekeeper
@@ -48,9 +48,9 @@ log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
 IO_THREADS = 64
-# What QEMU writes under the home: disk layers, VM directories, warm VMs, repository staging
-# (`staging` and `pending` are an s3 repository's, whose captures are local files).
-VMM_WRITABLE = ("layers", "sandboxes", "runtime", "repository", "staging", "pending")
+# What QEMU reads under the home besides layers and the repository: VM directories (streams),
+# warm VMs, the s3 runtime cache.
+VMM_READABLE = ("sandboxes", "runtime", "cache")
 
 
 def api_key(settings: Settings) -> str:
@@ -104,8 +104,8 @@ class Node:
         choice = choose_accelerator(settings.accel)
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
-        self._confine_vmms(home)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
+        self._confine_vmms(home, artifacts)
         self.storage = open_storage(settings, node_id(home))
         repository = self.storage.repository
         repository.cleanup_staging(older_than=0)
@@ -162,21 +162,32 @@ class Node:
             self.orchestrator.on_changed = self.membership.changed
             await self.membership.start()
 
-    def _confine_vmms(self, home: Path) -> None:
-        """Every QEMU from now on: confined, limited, seeing the host read-only (aenv.vmm.confine)."""
+    def _confine_vmms(self, home: Path, artifacts: GuestArtifacts) -> None:
+        """Every QEMU from now on: unprivileged, confined, limited, in a root holding only the
+        files VMs use (aenv.vmm.confine, aenv.vmm.mountview)."""
         settings = self.settings
+        user = None
         if settings.vmm_confine:
-            writable = [home / name for name in VMM_WRITABLE]
-            for directory in writable:
-                directory.mkdir(exist_ok=True)
-            secrets_dir = home / "secrets"  # the API key, when the node generated it
-            self.mount_view = MountView.start(writable, hidden=[secrets_dir] if secrets_dir.is_dir() else [])
+            if settings.repository.startswith("s3://"):
+                repository = home / "staging"  # templates' memory files, before upload
+            else:
+                repository = Path(settings.repository) if settings.repository else paths.repository_dir(home)
+            writable = [paths.layers_dir(home), repository]  # top layers; templates' memory files
+            readable = [home / name for name in VMM_READABLE]
+            for directory in (*writable, *readable):
+                directory.mkdir(parents=True, exist_ok=True)
+            boot = (artifacts.kernel, artifacts.initramfs, artifacts.base_image, artifacts.tools_image)
+            readable += [paths.cache_dir(), *{file.parent for file in boot}]
+            self.mount_view = MountView.start(writable, [d for d in readable if d.is_dir()])
+            if settings.vmm_user:
+                user = confine.RuntimeUser.ensure(settings.vmm_user)
         confinement = confine.from_settings(
             confine=settings.vmm_confine,
             cgroups=settings.vmm_cgroups,
             memory_overhead_mib=settings.vmm_memory_overhead_mib,
             pids=settings.vmm_pids_max,
             mount_namespace=self.mount_view.namespace if self.mount_view else None,
+            user=user,
         )
         confine.install(confinement)
 

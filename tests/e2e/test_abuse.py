@@ -1,23 +1,30 @@
 """Abuse from one sandbox on a real node: the node answers, a neighbour runs, the abuser stays manageable.
 
-One abusing sandbox goes through a fork bomb, a full disk and exhausted memory, in that order
-(one VM keeps the test bounded under TCG). Between
-abuses the node's API answers and a neighbour sandbox runs commands; afterwards the abuser can
-still be paused, resumed and killed. Its QEMU runs confined: no capabilities, seccomp, and a
-cgroup of its own whose limits the guest filling all its RAM does not reach.
+One abusing sandbox goes through 500 MiB of command output, 1,000 files written through the
+files API, a fork bomb, a full disk and exhausted memory, in that order (one abuser and
+one neighbour shared by the tests keep them bounded under TCG). During or right after each
+abuse the node's API answers and the neighbour runs commands; afterwards the abuser can still
+be paused, resumed and killed, and its disk use on the host stays within its disk's size. Its
+QEMU runs confined: an unprivileged user without capabilities, seccomp, a root of its own, and
+a cgroup whose limits the guest filling all its RAM does not reach.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
+from e2b.sandbox.filesystem.filesystem import WriteEntry
 
 from aenv.devnode import DevNode
 from aenv.orchestrator.service import DISK_SIZE_MB
@@ -28,6 +35,9 @@ pytestmark = pytest.mark.vm
 
 ADMISSION_SLOTS = 15360  # apart from every other node the suite starts
 GUEST_USER_PROCESSES = 100  # the fork bomb's ceiling, so that the guest can be cleaned up after it
+OUTPUT_MIB = 500
+FILES, FILES_PER_REQUEST = 1000, 100
+T = TypeVar("T")
 
 
 def qemu_pid(node: NodeServer, sandbox_id: str) -> int:
@@ -65,7 +75,26 @@ def test_qemu_runs_confined(node: NodeServer, sandboxes: Sandboxes) -> None:
         for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
         if line.split()[4] == "/"
     )
-    assert root[5].startswith("ro")  # the host's filesystem, read-only
+    assert root[5].startswith("ro")  # a root of its own, read-only
+    uid = int(fields["Uid"].split()[0])
+    real_gid, effective_gid = map(int, fields["Gid"].split()[:2])
+    assert uid != 0 and effective_gid != 0 and real_gid != effective_gid  # the VMM user, its group apart
+    assert os.stat(f"/proc/{pid}/mem").st_uid == 0  # hence not dumpable: no other VMM traces it
+    view = Path(f"/proc/{pid}/root")
+    assert not (view / str(node.home / "node.db").lstrip("/")).exists()  # only what VMs use is there
+    assert not (view / "home").exists() and (view / str(node.home / "layers").lstrip("/")).is_dir()
+    state = json.loads((node.home / "sandboxes" / sandbox.sandbox_id / "state.json").read_text())
+    *sealed, top = [node.home / "layers" / f"{layer}.qcow2" for layer in state["disk_layers"]]
+    assert top.stat().st_uid == uid  # the one file it writes by name
+    assert all(layer.stat().st_uid == 0 for layer in sealed if layer.exists())
+    image = next(line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                 if "/blobs/" in line)  # fmt: skip
+    assert os.stat(image).st_uid == 0 and not os.stat(image).st_mode & 0o022  # immutable to QEMU
+    snapshot = sandbox.create_snapshot()  # seals the top: the node takes it back, QEMU gets a new one
+    state = json.loads((node.home / "sandboxes" / sandbox.sandbox_id / "state.json").read_text())
+    assert top.stat().st_uid == 0
+    assert (node.home / "layers" / f"{state['disk_layers'][-1]}.qcow2").stat().st_uid == uid
+    Sandbox.delete_snapshot(snapshot.snapshot_id)
     group = memory_group(pid)
     assert group.name == f"vm-{pid}" and group.parent.name == "aenv"
     info = Sandbox.get_info(sandbox.sandbox_id)
@@ -78,51 +107,119 @@ def test_qemu_runs_confined(node: NodeServer, sandboxes: Sandboxes) -> None:
     assert not group.exists() and not cpu.exists()
 
 
-def test_abuse_hurts_neither_the_node_nor_a_neighbour(node: NodeServer, sandboxes: Sandboxes) -> None:
-    abuser, neighbour = sandboxes.create(timeout=1800), sandboxes.create(timeout=1800)
-    pid = qemu_pid(node, abuser.sandbox_id)
-    info = Sandbox.get_info(abuser.sandbox_id)
+@dataclass
+class Pair:
+    """The abusing sandbox and its neighbour, shared by the abuse tests (in file order)."""
 
-    # A fork bomb, bounded by a per-user process limit so that the guest can be cleaned up.
+    abuser: Any
+    neighbour: Any
+    pid: int  # the abuser's QEMU
+
+
+@pytest.fixture(scope="module")
+def pair(node: NodeServer) -> Iterator[Pair]:
+    manager = Sandboxes()
+    abuser, neighbour = manager.create(timeout=1800), manager.create(timeout=1800)
+    yield Pair(abuser, neighbour, qemu_pid(node, abuser.sandbox_id))
+    manager.close()
+
+
+def while_running(work: Callable[[], T], node: NodeServer, neighbour: Any) -> T:
+    """`work` in a thread; meanwhile the node's API and the neighbour must answer."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(work)
+        node_and_neighbour_answer(node, neighbour)
+        return future.result()
+
+
+def disk_use(node: NodeServer, sandbox_id: str) -> int:
+    """Bytes the sandbox's disk layers and directory take on the host."""
+    state = json.loads((node.home / "sandboxes" / sandbox_id / "state.json").read_text())
+    files = [node.home / "layers" / f"{layer}.qcow2" for layer in state["disk_layers"]]
+    files += (node.home / "sandboxes" / sandbox_id).iterdir()
+    return sum(path.stat().st_blocks * 512 for path in files if path.is_file())
+
+
+def test_500_mib_of_output(node: NodeServer, pair: Pair) -> None:
+    received = 0
+
+    def count(chunk: str) -> None:
+        nonlocal received
+        received += len(chunk)
+
+    def stream() -> Any:
+        return pair.abuser.commands.run(
+            f"yes | head -c {OUTPUT_MIB}M", retain_output=False, on_stdout=count, timeout=900
+        )
+
+    assert while_running(stream, node, pair.neighbour).exit_code == 0
+    assert received == OUTPUT_MIB << 20
+
+
+def test_1000_files_through_the_files_api(node: NodeServer, pair: Pair) -> None:
+    def write() -> None:
+        for batch in range(FILES // FILES_PER_REQUEST):
+            entries = [
+                WriteEntry(path=f"/home/user/many/{batch}-{i}.txt", data=f"file {batch}-{i}\n" * 64)
+                for i in range(FILES_PER_REQUEST)
+            ]
+            pair.abuser.files.write_files(entries, request_timeout=300)
+
+    while_running(write, node, pair.neighbour)
+    assert len(pair.abuser.files.list("/home/user/many")) == FILES
+    assert run_in(pair.abuser, "cat /home/user/many/7-77.txt | head -1") == "file 7-77\n"
+    assert disk_use(node, pair.abuser.sandbox_id) < 1.1 * DISK_SIZE_MB * 2**20
+
+
+def test_fork_bomb(node: NodeServer, pair: Pair) -> None:
+    # Bounded by a per-user process limit so that the guest can be cleaned up.
     bomb = f"ulimit -u {GUEST_USER_PROCESSES}; b() {{ b | b & }}; b"
-    abuser.commands.run(f"bash -c '{bomb}'", background=True)
-    node_and_neighbour_answer(node, neighbour)
-    # Stopped first, so that none forks while the others are killed.
-    stop = (
-        "for i in 1 2 3; do pkill -STOP -u user; done; pkill -KILL -u user; sleep 1; pgrep -cu user || true"
-    )
-    assert abuser.commands.run(stop, user="root", timeout=300).stdout.strip() in ("", "0")
+    pair.abuser.commands.run(f"bash -c '{bomb}'", background=True)
+    node_and_neighbour_answer(node, pair.neighbour)
+    # Every process of the guest's user at once: kill(-1) as that user, which a process in the
+    # middle of a fork does not escape (as it escapes a listing, pkill's).
+    for _ in range(3):
+        with contextlib.suppress(CommandExitException):  # the command is one of them
+            pair.abuser.commands.run("kill -9 -1", user="user", timeout=300)
+    left = pair.abuser.commands.run("sleep 5; pgrep -cu user || true", user="root", timeout=300)
+    assert left.stdout.strip() == "0"
 
-    # A full disk: the guest gets ENOSPC, the host's layer stays within the disk's virtual size.
+
+def test_full_disk(node: NodeServer, pair: Pair) -> None:
+    """The guest gets ENOSPC; the host's layers stay within the disk's virtual size."""
     free = "$(df --output=avail -B1 / | tail -1)"
     fill = f"fallocate -l $(({free} - (32 << 20))) ~/fill && head -c 64M /dev/zero > ~/more"
     with pytest.raises(CommandExitException) as full:
-        abuser.commands.run(fill, timeout=300)
+        pair.abuser.commands.run(fill, timeout=300)
     assert "No space left" in full.value.stderr
-    state = json.loads((node.home / "sandboxes" / abuser.sandbox_id / "state.json").read_text())
-    layers = [node.home / "layers" / f"{layer}.qcow2" for layer in state["disk_layers"]]
-    assert (
-        sum(layer.stat().st_blocks * 512 for layer in layers if layer.exists()) < 1.1 * DISK_SIZE_MB * 2**20
-    )
-    node_and_neighbour_answer(node, neighbour)
-    run_in(abuser, "rm -f ~/fill* ~/more && echo freed", timeout=120)
+    assert disk_use(node, pair.abuser.sandbox_id) < 1.1 * DISK_SIZE_MB * 2**20
+    node_and_neighbour_answer(node, pair.neighbour)
+    run_in(pair.abuser, "rm -f ~/fill* ~/more && echo freed", timeout=120)
 
-    # All guest RAM: the guest's OOM killer ends the hog; QEMU stays inside its cgroup's limit.
+
+def test_exhausted_memory(node: NodeServer, pair: Pair) -> None:
+    """The guest's OOM killer ends the hog; QEMU stays inside its cgroup's limit."""
     hog = "x = []\nwhile True: x.append(bytearray(b'x' * (8 << 20)))"
     with pytest.raises(CommandExitException):  # ended by the guest's OOM killer (or, thrashing, at 120 s)
-        abuser.commands.run(f"timeout -s KILL 120 python3 -c {shlex.quote(hog)}", timeout=600)
-    node_and_neighbour_answer(node, neighbour)
-    group = memory_group(pid)
+        pair.abuser.commands.run(f"timeout -s KILL 120 python3 -c {shlex.quote(hog)}", timeout=600)
+    node_and_neighbour_answer(node, pair.neighbour)
+    group = memory_group(pair.pid)
     assert "oom_kill 0" in (group / "memory.oom_control").read_text()  # the host never OOM-killed QEMU
     anonymous = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())["rss"]
-    print(f"\nQEMU {pid}: {int(anonymous) >> 20} MiB anonymous memory for a {info.memory_mb} MiB guest")
+    print(f"\nQEMU {pair.pid}: {int(anonymous) >> 20} MiB anonymous memory after exhausting guest RAM")
 
-    # The abuser is still an ordinary sandbox.
-    assert abuser.pause()
-    resumed = Sandbox.connect(abuser.sandbox_id)
-    assert run_in(resumed, "echo back", timeout=300) == "back\n"
+
+def test_the_abuser_is_still_an_ordinary_sandbox(node: NodeServer, pair: Pair) -> None:
+    assert pair.abuser.pause()
+    assert disk_use(node, pair.abuser.sandbox_id) < 1.1 * DISK_SIZE_MB * 2**20
+    resumed = Sandbox.connect(pair.abuser.sandbox_id)
+    assert run_in(resumed, "ls /home/user/many | wc -l", timeout=300) == f"{FILES}\n"
     resumed.kill()
-    assert abuser.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+    assert pair.abuser.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+    assert (
+        pair.pid not in node.qemu_pids() and not (node.home / "sandboxes" / pair.abuser.sandbox_id).exists()
+    )
+    node_and_neighbour_answer(node, pair.neighbour)
 
 
 def test_a_node_below_its_disk_reserve_refuses_creates_with_507(tmp_path: Path, template_seed: Path) -> None:

@@ -1,23 +1,79 @@
-"""Faults on a real node: a sandbox whose QEMU process is killed under it is reported and freed."""
+"""Faults on a real node, after each of which every acknowledged sandbox is accounted for and
+nothing is left on the host: a QEMU process killed under its sandbox, the node killed with
+SIGKILL in the middle of a pause, and the repository becoming unwritable during a snapshot.
+
+"Nothing left" compares what the node holds on the host (QEMU processes, network namespaces,
+nftables rules, files under its home, VM cgroups: `bench.soak.footprint`) with what it held
+before the test, once the test's sandboxes are gone.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import SandboxException
+
+from bench.soak import footprint
 
 from .conftest import NodeServer, Sandboxes, run_in, wait_until
 
 pytestmark = pytest.mark.vm
 
+DIRTY_MIB = 192  # guest memory a sandbox changes before its pause, so that the capture takes a while
+# What a node process holds by itself (a restarted node is a new process), not what it leaks.
+PER_PROCESS = ("node_fds", "node_rss_mib")
+
+
+def held(node: NodeServer) -> dict[str, float]:
+    """What the node holds on the host, as the soak counts it (see the module docstring)."""
+    assert node.pid is not None
+    counts = footprint(node.home, node.pid)
+    return {name: value for name, value in counts.items() if name not in PER_PROCESS}
+
+
+def steady(node: NodeServer) -> dict[str, float]:
+    """What the node holds once nothing changes any more (its network pool and warm VMs filled)."""
+    last: list[dict[str, float]] = []
+
+    def unchanged() -> dict[str, float] | None:
+        last.append(held(node))
+        return last[-1] if len(last) >= 3 and last[-1] == last[-2] == last[-3] else None
+
+    return wait_until(unchanged, 90, interval=1, what="the node to settle")
+
+
+def settled(node: NodeServer, before: dict[str, float]) -> None:
+    """Wait until the node holds what it held `before` (warm pools refill, networks are returned)."""
+    try:
+        wait_until(lambda: held(node) == before, 90, interval=1, what="the node to hold what it held before")
+    except AssertionError:
+        raise AssertionError(f"left behind: before {before}, now {held(node)}") from None
+
+
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """`directory` read-only for everyone, root (the node) included: a read-only bind mount over it."""
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
 
 def test_a_killed_vm_process_is_reported_and_freed(node: NodeServer, sandboxes: Sandboxes) -> None:
+    before = steady(node)
     sandbox = sandboxes.create()
     workdir = node.home / "sandboxes" / sandbox.sandbox_id
     pid = json.loads((workdir / "state.json").read_text())["pid"]
@@ -38,5 +94,69 @@ def test_a_killed_vm_process_is_reported_and_freed(node: NodeServer, sandboxes: 
     assert sandbox.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
     assert not workdir.exists() and pid not in node.qemu_pids()
     assert Sandbox.kill(sandbox.sandbox_id) is False  # already gone: 404
+    settled(node, before)
     assert re.search(r"^aenv_sandboxes_lost [1-9]", httpx.get(f"{node.url}/metrics").text, re.M)
     assert run_in(sandboxes.create(), "echo alive") == "alive\n"  # the node carries on
+
+
+def test_sigkill_of_the_node_mid_pause_loses_nothing(
+    sandboxes: Sandboxes, crashable_node: NodeServer
+) -> None:
+    node = crashable_node
+    before = steady(node)
+    sandbox = sandboxes.create(timeout=600)
+    sandbox.files.write("/tmp/state", "before the pause")
+    sleeper = sandbox.commands.run("sleep 3600", background=True).pid
+    dirty = f"head -c {DIRTY_MIB}M /dev/urandom > /dev/shm/dirty"
+    run_in(sandbox, f"{dirty} && echo dirty", timeout=300)
+    workdir = node.home / "sandboxes" / sandbox.sandbox_id
+    with ThreadPoolExecutor(1) as pool:
+        pausing = pool.submit(sandbox.pause)  # answered or not: the node dies under it
+        wait_until(lambda: list(workdir.glob("pause-*.devices")), 120, interval=0.002, what="the pause")
+        node.sigkill()
+        with contextlib.suppress(Exception):
+            pausing.result(timeout=120)
+    node.start()
+
+    listed = {
+        s.sandbox_id: s
+        for s in Sandbox.list(query=SandboxQuery(metadata={"e2e": sandboxes.tag})).next_items()
+    }
+    assert sandbox.sandbox_id in listed, "the sandbox being paused at the crash was lost"
+    assert listed[sandbox.sandbox_id].state in (SandboxState.PAUSED, SandboxState.RUNNING)
+    resumed = Sandbox.connect(sandbox.sandbox_id)
+    assert resumed.files.read("/tmp/state") == "before the pause"
+    assert sleeper in [p.pid for p in resumed.commands.list()]
+    assert run_in(resumed, "wc -c < /dev/shm/dirty") == f"{DIRTY_MIB << 20}\n"
+    assert resumed.kill()
+    settled(node, before)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect 8 is not fully fixed: a snapshot whose commit fails keeps its sealed layer, so the "
+    "sandbox's chain grows by one per failure (aenv.snapshot.lifecycle.snapshot does not roll the seal back)",
+)
+def test_an_unwritable_repository_fails_a_snapshot_cleanly(node: NodeServer, sandboxes: Sandboxes) -> None:
+    """The snapshot is refused with a JSON error, rolled back whole, and the sandbox runs on."""
+    sandbox = sandboxes.create()
+    sandbox.files.write("/tmp/state", "running")
+    state_file = node.home / "sandboxes" / sandbox.sandbox_id / "state.json"
+    chain = json.loads(state_file.read_text())["disk_layers"]
+    repository = node.home / "repository"
+    blobs = {path.name for path in (repository / "blobs" / "sha256").iterdir()}
+    before = steady(node)
+    with read_only(repository / "blobs" / "sha256"):
+        failed = httpx.post(
+            f"{node.url}/sandboxes/{sandbox.sandbox_id}/snapshots", json={}, headers={"X-API-Key": node.key},
+            timeout=300,
+        )  # fmt: skip
+        assert failed.status_code >= 500 and failed.json()["message"], failed.text
+        assert run_in(sandbox, "cat /tmp/state") == "running"
+    assert json.loads(state_file.read_text())["disk_layers"] == chain  # no layer sealed for nothing
+    assert {path.name for path in (repository / "blobs" / "sha256").iterdir()} == blobs
+    settled(node, before)
+    assert run_in(sandbox, "echo still running") == "still running\n"
+    snapshot = sandbox.create_snapshot()  # writable again: the same sandbox snapshots fine
+    assert Sandbox.delete_snapshot(snapshot.snapshot_id)
+    assert sandbox.kill()

@@ -6,13 +6,14 @@ capabilities, seccomp mode and cgroup limits on a real node.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from aenv.vmm import confine
-from aenv.vmm.confine import CgroupTree, Confinement, Limits
+from aenv.vmm.confine import CgroupTree, Confinement, Limits, RuntimeUser
 from aenv.vmm.mountview import MountView
 
 V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
@@ -41,26 +42,48 @@ def test_command_joins_the_mount_view_first() -> None:
     assert argv[3 : 3 + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
 
 
-def test_mount_view_is_read_only_but_for_the_vm_directories(tmp_path: Path) -> None:
-    writable, hidden = tmp_path / "layers", tmp_path / "secrets"
-    for directory in (writable, hidden):
-        directory.mkdir()
-    (hidden / "api-key").write_text("key")
-    view = MountView.start([writable], [hidden])
+def test_command_runs_qemu_as_the_runtime_user() -> None:
+    argv = Confinement(user=RuntimeUser(uid=900, gid=901, groups=(107,))).command(["qemu"])
+    real = f"--rgid={confine.REAL_GROUP}"
+    assert argv[:5] == ["setpriv", "--reuid=900", real, "--egid=901", "--groups=107"]
+    assert "--clear-groups" in Confinement(user=RuntimeUser(900, 901)).command(["qemu"])
+
+
+def test_mount_view_holds_only_the_vm_directories(tmp_path: Path) -> None:
+    """The view's root has the system, the given directories (behind a 0700 parent) and nothing else."""
+    home = tmp_path / "home"
+    writable, readable, secrets = home / "layers", home / "runtime", home / "secrets"
+    for directory in (writable, readable, secrets):
+        directory.mkdir(parents=True)
+    (secrets / "api-key").write_text("key")
+    (readable / "image").write_text("image")
+    os.chmod(home, 0o700)
+    nobody = RuntimeUser(uid=65534, gid=65533)  # a group apart from confine.REAL_GROUP
+    view = MountView.start([writable], [readable])
     try:
-        confined = Confinement(seccomp=False, mount_namespace=view.namespace)
+        confined = Confinement(seccomp=False, mount_namespace=view.namespace, user=nobody)
+        as_root = Confinement(seccomp=False, mount_namespace=view.namespace)
 
-        def run(script: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(confined.command(["sh", "-c", script]), capture_output=True, text=True)
+        def run(script: str, confinement: Confinement = confined) -> subprocess.CompletedProcess[str]:
+            argv = confinement.command(["sh", "-c", script])
+            return subprocess.run(argv, capture_output=True, text=True)
 
-        assert run(f"touch {writable}/layer && echo ok").stdout == "ok\n"
-        assert "Read-only" in run(f"touch {tmp_path}/node.db").stderr
-        assert "Read-only" in run("touch /etc/aenv-confinement-test").stderr
-        assert run(f"cat {hidden}/api-key").returncode != 0
+        assert run(f"id -u && cat {readable}/image").stdout == "65534\nimage"
+        # Non-dumpable (real and effective group differ): its /proc files are root's, no peer traces
+        # it. Not through sh, which makes its effective group its real one.
+        owner = subprocess.run(confined.command(["stat", "-c", "%U", "/proc/self/mem"]), capture_output=True)
+        assert owner.stdout == b"root\n"
+        assert run(f"touch {writable}/layer && echo ok", as_root).stdout == "ok\n"
+        assert "Permission denied" in run(f"touch {writable}/other").stderr  # root's directory
+        assert "Read-only" in run(f"touch {readable}/x", as_root).stderr
+        assert "Read-only" in run("touch /etc/aenv-confinement-test", as_root).stderr
+        assert "No such file" in run(f"cat {secrets}/api-key", as_root).stderr
+        assert run(f"ls {home}", as_root).stdout.split() == ["layers", "runtime"]
         assert run("echo > /dev/null && head -c 1 /dev/urandom | wc -c").stdout == "1\n"
+        assert run("qemu-system-x86_64 -version").returncode == 0
     finally:
         view.close()
-    assert (writable / "layer").exists() and not (tmp_path / "node.db").exists()
+    assert (writable / "layer").exists()
     assert view.process.returncode == 0
 
 
@@ -135,6 +158,6 @@ def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")
 def test_the_host_tree_accepts_a_group() -> None:
     configured = confine.from_settings(
-        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None
+        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, user=None
     )
     assert configured.cgroups is not None

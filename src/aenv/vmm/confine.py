@@ -1,12 +1,20 @@
-"""What a guest escaping into its QEMU process finds: no capabilities, a seccomp filter, limits.
+"""What a guest escaping into its QEMU process finds: no privileges, a seccomp filter, limits.
 
-Every VMM runs with an empty capability bounding set and `no_new_privs` (applied by util-linux
-`setpriv`, which execs QEMU in place, so the node still watches, reads and adopts QEMU's own
-pid), in a mount namespace where the host is read-only (`aenv.vmm.mountview`, joined with
-`nsenter`, which also execs in place), under QEMU's seccomp sandbox with the obsolete,
+Every VMM runs as an unprivileged runtime user (`aenv-vmm` by default, created if missing),
+with an empty capability bounding set and `no_new_privs` (applied by util-linux `setpriv`,
+which execs QEMU in place, so the node still watches, reads and adopts QEMU's own pid), in a
+root of its own holding only the files VMs need (`aenv.vmm.mountview`, joined with `nsenter`,
+which also execs in place), under QEMU's seccomp sandbox with the obsolete,
 privilege-raising, process-spawning and resource-control system calls denied, and in a cgroup
 of its own that bounds its CPU time to its vCPUs, its memory to guest RAM plus the VMM's
 measured overhead, and its thread count.
+
+Files: the runtime user owns only what its QEMU writes through a path, its top disk layer (and
+a template build's memory file), handed over at spawn and taken back (`reclaim`) when a seal
+freezes that layer or the process exits; everything else it reads (memory images, lower
+layers, boot files, state streams) stays the node's and read-only to it, and what it writes
+otherwise (logs, device state, streams) or listens on (the recovery monitor) the node opens
+and passes as file descriptors.
 
 Cgroups: v2 (one unified tree) on modern hosts, v1 (one tree per controller) elsewhere; the
 layout is detected from `/proc/self/cgroup`, and every VM's group sits below the node's own, so
@@ -17,6 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import pwd
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +35,12 @@ log = logging.getLogger(__name__)
 
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 DROP_PRIVILEGES = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--")
+DEFAULT_USER = "aenv-vmm"
+# QEMU's real group, different from its effective one (the user's group): the kernel then marks
+# every VMM non-dumpable at exec, so that VMMs, which share a uid, cannot trace or read each
+# other (ptrace, /proc/<pid>/mem, process_vm_readv). The overflow group grants nothing.
+REAL_GROUP = 65534
+KVM_DEVICE = Path("/dev/kvm")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
 GROUP_PREFIX = "vm-"
@@ -34,6 +51,39 @@ V1_CONTROLLERS = ("cpu", "memory", "pids")
 V2_NODE_LEAF = "aenv-node"
 # Present only where the kernel accounts swap per group; without it there is no swap to bound.
 OPTIONAL = frozenset({"memory.swap.max"})
+
+
+@dataclass(frozen=True)
+class RuntimeUser:
+    """The unprivileged identity of every VMM: its uid, its group and any group /dev/kvm needs."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    @classmethod
+    def ensure(cls, name: str) -> RuntimeUser:
+        """`name`'s identity, the user created first (a system user without home or shell) if missing."""
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            command = [
+                "useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+                "--shell", "/usr/sbin/nologin", "--comment", "aenv VMMs", name,
+            ]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise OSError(f"cannot create the VMM user {name}: {done.stderr.strip()}") from None
+            log.warning("created the system user %s that QEMU processes run as", name)
+            entry = pwd.getpwnam(name)
+        if entry.pw_uid == 0:
+            raise OSError(f"the VMM user {name} is root")
+        kvm = KVM_DEVICE.stat().st_gid if KVM_DEVICE.exists() else None
+        return cls(entry.pw_uid, entry.pw_gid, (kvm,) if kvm not in (None, 0) else ())
+
+    def setpriv(self) -> list[str]:
+        groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
+        return [f"--reuid={self.uid}", f"--rgid={REAL_GROUP}", f"--egid={self.gid}", groups]
 
 
 @dataclass(frozen=True)
@@ -150,16 +200,29 @@ class Confinement:
     cgroups: CgroupTree | None = None
     memory_overhead_mib: int = 192
     pids: int = 256
+    user: RuntimeUser | None = None  # None: QEMU stays uid 0 (without capabilities if dropped)
 
     def command(self, argv: list[str]) -> list[str]:
         """QEMU's command line, with its seccomp filter, behind the privilege drop and mount view."""
         if self.seccomp:
             argv = [*argv, "-sandbox", SECCOMP]
         if self.drop_privileges:
-            argv = [*DROP_PRIVILEGES, *argv]
+            identity = self.user.setpriv() if self.user is not None else []
+            argv = [DROP_PRIVILEGES[0], *identity, *DROP_PRIVILEGES[1:], *argv]
         if self.mount_namespace is not None:
             argv = ["nsenter", f"--mount={self.mount_namespace}", "--", *argv]
         return argv
+
+    def hand_over(self, path: Path) -> None:
+        """Let the VMM user write `path` (a file its QEMU opens for writing by name)."""
+        if self.user is not None:
+            os.chown(path, self.user.uid, self.user.gid)
+
+    def reclaim(self, path: Path) -> None:
+        """Take `path` back from the VMM user: no QEMU can write it any more (if it is still there)."""
+        if self.user is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(path, os.getuid(), os.getgid())
 
     def limits(self, vcpus: int, memory_mib: int) -> Limits:
         return Limits(vcpus=vcpus, memory_mib=memory_mib + self.memory_overhead_mib, pids=self.pids)
@@ -172,9 +235,11 @@ class Confinement:
             self.cgroups.join(name, pid)
 
     def release(self, pid: int) -> None:
-        """After the QEMU process `pid` exited: delete its group."""
+        """After the QEMU process `pid` exited: delete its group, and any other group left empty by
+        a VM that ended unwatched (one a crashed node left, killed by pid at the next start)."""
         if self.cgroups is not None:
             self.cgroups.remove(group_name(pid))
+            self.cgroups.remove_unused()
 
 
 def group_name(pid: int) -> str:
@@ -198,7 +263,13 @@ def current() -> Confinement:
 
 
 def from_settings(
-    *, confine: bool, cgroups: bool, memory_overhead_mib: int, pids: int, mount_namespace: str | None
+    *,
+    confine: bool,
+    cgroups: bool,
+    memory_overhead_mib: int,
+    pids: int,
+    mount_namespace: str | None,
+    user: RuntimeUser | None,
 ) -> Confinement:
     """The node's confinement; without a writable cgroup tree, VMs run without cgroup limits (logged)."""
     tree = CgroupTree.detect() if cgroups else None
@@ -213,5 +284,6 @@ def from_settings(
         log.warning("no cgroup tree with cpu, memory and pids: VMs run without cgroup limits")
     limits = {"memory_overhead_mib": memory_overhead_mib, "pids": pids}
     return Confinement(
-        seccomp=confine, drop_privileges=confine, mount_namespace=mount_namespace, cgroups=tree, **limits
-    )
+        seccomp=confine, drop_privileges=confine, mount_namespace=mount_namespace, cgroups=tree,
+        user=user if confine else None, **limits,
+    )  # fmt: skip

@@ -25,10 +25,14 @@ from .machine import Drive, MachineConfig, MemoryMode, VirtualMachine
 log = logging.getLogger(__name__)
 
 
-async def create_upper_layer(lower: Path, upper: Path) -> None:
-    """A fresh writable qcow2 layer whose reads fall through to `lower`."""
+async def create_upper_layer(lower: Path, upper: Path, size: int | None = None) -> None:
+    """A fresh writable qcow2 layer whose reads fall through to `lower`.
+
+    With `size` (the chain's virtual size) `lower` is not opened, so it may be in use by a VM.
+    """
+    unsafe = ["-u", str(upper), str(size)] if size is not None else [str(upper)]
     process = await asyncio.create_subprocess_exec(
-        "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(lower), str(upper),
+        "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(lower), *unsafe,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await process.communicate()

@@ -1,7 +1,8 @@
 """One QEMU `microvm` process: its command line, its QMP monitor and its lifetime.
 
-QEMU gets the tap and its main QMP socket as inherited file descriptors, so it needs no
-network namespace of its own and no polling for a socket to appear after spawn. It runs in a
+QEMU gets the tap, its main QMP socket, its recovery monitor's listening socket and its serial
+log as inherited file descriptors, so it needs no network namespace of its own, no polling for
+a socket to appear after spawn, and no right to create files (`aenv.vmm.confine`). It runs in a
 session of its own and outlives the node process; a second monitor on a socket in its
 directory lets a restarted node adopt it. Exit is watched through a pidfd, which works the same
 for processes this node spawned and for adopted ones.
@@ -36,6 +37,10 @@ RECOVERY_SOCKET = "qmp.sock"
 # File descriptor numbers QEMU finds its inherited sockets at.
 _QMP_FD = 3
 _TAP_FD = 4
+_RECOVERY_FD = 5
+_SERIAL_FD = 6
+_SERIAL_FDSET = 1
+_MEMORY_FD = 7  # a template build's memory file, whose directory QEMU's user may not enter
 TCG_TRANSLATION_CACHE_MIB = 64
 # microvm without the legacy PIT, PIC and RTC: the guest runs on the local APIC timer and TSC
 # (and gets the wall clock from envd's /init). Under TCG the legacy timers alone cost an idle
@@ -100,11 +105,12 @@ class MachineConfig:
             "-kernel", str(self.kernel),
             "-initrd", str(self.initramfs),
             "-append", self.cmdline,
-            "-chardev", f"file,id=serial,path={workdir / SERIAL_LOG},append=on",
+            "-add-fd", f"fd={_SERIAL_FD},set={_SERIAL_FDSET}",
+            "-chardev", f"file,id=serial,path=/dev/fdset/{_SERIAL_FDSET},append=on",
             "-serial", "chardev:serial",
             "-chardev", f"socket,id=qmp,fd={qmp_fd}",
             "-mon", "chardev=qmp,mode=control",
-            "-chardev", f"socket,id=recovery,path={workdir / RECOVERY_SOCKET},server=on,wait=off",
+            "-chardev", f"socket,id=recovery,fd={_RECOVERY_FD},server=on,wait=off",
             "-mon", "chardev=recovery,mode=control",
         ]  # fmt: skip
         for drive in self.drives:
@@ -132,6 +138,13 @@ class MachineConfig:
             argv += ["-incoming", "defer"]
         return argv
 
+    def written_files(self) -> list[Path]:
+        """The files QEMU opens for writing by name: its writable disks and a shared memory file."""
+        files = [drive.path for drive in self.drives if not drive.read_only]
+        if self.memory_mode is MemoryMode.SHARED_FILE and self.memory_path is not None:
+            files.append(self.memory_path)
+        return files
+
     def _memory_backend(self) -> str:
         size = f"size={self.memory_mib}M"
         if self.memory_mode is MemoryMode.ANONYMOUS:
@@ -139,7 +152,7 @@ class MachineConfig:
         if self.memory_path is None:
             raise ValueError(f"memory mode {self.memory_mode.value} needs a memory_path")
         if self.memory_mode is MemoryMode.SHARED_FILE:
-            return f"memory-backend-file,id=mem,{size},mem-path={self.memory_path},share=on"
+            return f"memory-backend-file,id=mem,{size},mem-path=/proc/self/fd/{_MEMORY_FD},share=on"
         return f"memory-backend-file,id=mem,{size},mem-path={self.memory_path},share=off,readonly=on,rom=off"
 
 
@@ -150,11 +163,13 @@ class VMError(RuntimeError):
 class QemuProcess:
     """A QEMU process watched through a pidfd; reaped here when this node spawned it.
 
-    Its cgroup (`aenv.vmm.confine`) is deleted when it exits.
+    Its cgroup (`aenv.vmm.confine`) is deleted when it exits, and the files `handed` to its
+    user are taken back.
     """
 
-    def __init__(self, pid: int, *, child: bool, confinement: confine.Confinement):
+    def __init__(self, pid: int, *, child: bool, confinement: confine.Confinement, handed: list[Path]):
         self.pid = pid
+        self.handed = handed
         self.returncode: int | None = None
         self._child = child
         self._confinement = confinement
@@ -172,6 +187,8 @@ class QemuProcess:
                 code = os.waitstatus_to_exitcode(status)
         os.close(self._pidfd)
         self._confinement.release(self.pid)
+        for path in self.handed:
+            self._confinement.reclaim(path)
         self.returncode = code
         self._exited.set_result(code)
 
@@ -208,23 +225,36 @@ def _without_huge_pages() -> Iterator[None]:
         _libc.prctl(_PR_SET_THP_DISABLE, 0, 0, 0, 0)
 
 
-def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None) -> int:
+def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memory: Path | None) -> int:
     """posix_spawn QEMU in a new session with only the descriptors and environment it needs,
     and without transparent huge pages (`_without_huge_pages`).
 
-    `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`).
+    `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`). The
+    node opens QEMU's logs and binds its recovery socket, so QEMU never creates a file.
     """
-    log_path = str(workdir / "qemu.log")
-    actions: list[tuple[Any, ...]] = [
-        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-        (os.POSIX_SPAWN_OPEN, 1, log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
-        (os.POSIX_SPAWN_DUP2, 1, 2),
-        (os.POSIX_SPAWN_DUP2, qmp_fd, _QMP_FD),
-    ]
-    if tap_fd is not None:
-        actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
-    with _without_huge_pages():
-        return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
+    append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    recovery = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        (workdir / RECOVERY_SOCKET).unlink(missing_ok=True)
+        recovery.bind(str(workdir / RECOVERY_SOCKET))
+        os.chmod(workdir / RECOVERY_SOCKET, 0o600)
+        recovery.listen(1)
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, str(workdir / "qemu.log"), append, 0o644),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+            (os.POSIX_SPAWN_DUP2, qmp_fd, _QMP_FD),
+            (os.POSIX_SPAWN_DUP2, recovery.fileno(), _RECOVERY_FD),
+            (os.POSIX_SPAWN_OPEN, _SERIAL_FD, str(workdir / SERIAL_LOG), append, 0o644),
+        ]
+        if tap_fd is not None:
+            actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
+        if memory is not None:
+            actions.append((os.POSIX_SPAWN_OPEN, _MEMORY_FD, str(memory), os.O_RDWR | os.O_CREAT, 0o644))
+        with _without_huge_pages():
+            return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
+    finally:
+        recovery.close()
 
 
 @dataclass
@@ -255,12 +285,22 @@ class VirtualMachine:
             tap_fd=_TAP_FD if tap_fd is not None else None, qmp_fd=_QMP_FD, workdir=workdir, incoming=incoming
         )
         confinement = confine.current()
+        handed = config.written_files()
         started = time.monotonic()
         try:
-            pid = _spawn(confinement.command(argv), workdir, theirs.fileno(), tap_fd)
+            shared = config.memory_path if config.memory_mode is MemoryMode.SHARED_FILE else None
+            if shared is not None:
+                shared.touch()  # QEMU sizes it; the node owns the name
+            for path in handed:
+                confinement.hand_over(path)
+            pid = _spawn(confinement.command(argv), workdir, theirs.fileno(), tap_fd, shared)
+        except BaseException:
+            for path in handed:
+                confinement.reclaim(path)
+            raise
         finally:
             theirs.close()
-        process = QemuProcess(pid, child=True, confinement=confinement)
+        process = QemuProcess(pid, child=True, confinement=confinement, handed=handed)
         qmp = QMPClient(f"vm-{process.pid}")
         try:
             # Before QEMU's monitor answers, so before the guest runs or its RAM is filled.
@@ -278,7 +318,7 @@ class VirtualMachine:
     @classmethod
     async def adopt(cls, config: MachineConfig, workdir: Path, pid: int) -> VirtualMachine:
         """Take over a QEMU that a previous node process started, through its recovery monitor."""
-        process = QemuProcess(pid, child=False, confinement=confine.current())
+        process = QemuProcess(pid, child=False, confinement=confine.current(), handed=config.written_files())
         qmp = QMPClient(f"vm-{pid}")
         try:
             await qmp.connect(str(workdir / RECOVERY_SOCKET))

@@ -11,16 +11,23 @@ here is one step the snapshot engine and the benchmark floors compose:
 - `seal_disk`: the top of a running disk chain frozen under a new writable layer (snapshot);
 - `prepare_incoming` + `load`: a QEMU started with `-incoming defer` fed a spliced stream until
   its guest runs (start, resume, warm VMs).
+
+QEMU runs as an unprivileged user that may create no file (`aenv.vmm.confine`): the files it
+saves into are opened by the node and passed over QMP, and a sealed layer's successor is
+created by the node, handed to QEMU's user, and the sealed layer taken back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from . import confine
+from .launcher import create_upper_layer
 from .machine import VirtualMachine, VMError
 
 _IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
@@ -49,6 +56,22 @@ async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
         raise MigrationError(f"loading the device state failed: QEMU is {status}")
 
 
+@contextlib.asynccontextmanager
+async def _passed_file(vm: VirtualMachine, path: Path) -> AsyncIterator[int]:
+    """`path` opened for writing by the node and passed to QEMU; yields the fd set QEMU finds it in."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fdset: int | None = None
+    try:
+        vm.qmp.send_fd_scm(fd)
+        fdset = (await vm.command("add-fd"))["fdset-id"]
+        yield fdset
+    finally:
+        os.close(fd)
+        if fdset is not None:
+            with contextlib.suppress(VMError):
+                await vm.command("remove-fd", **{"fdset-id": fdset})
+
+
 async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
     """With the guest stopped and its RAM in a shared file: the stream without RAM, then its devices.
 
@@ -56,7 +79,13 @@ async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
     a clone is spliced onto; the device file is how that prefix is found in it.
     """
     await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
-    await vm.command("migrate", uri=f"file:{stream}")
+    fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        vm.qmp.send_fd_scm(fd)
+        await vm.command("getfd", fdname="stream")
+    finally:
+        os.close(fd)
+    await vm.command("migrate", uri="fd:stream")
     while True:
         status = (await vm.command("query-migrate")).get("status")
         if status == "completed":
@@ -69,7 +98,8 @@ async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
 
 async def capture_devices(vm: VirtualMachine, devices: Path) -> None:
     """With the guest stopped: its device sections alone (no RAM), as `migrate-incoming` reads them."""
-    await vm.command("xen-save-devices-state", filename=str(devices), live=False)
+    async with _passed_file(vm, devices) as fdset:
+        await vm.command("xen-save-devices-state", filename=f"/dev/fdset/{fdset}", live=False)
 
 
 async def stop(vm: VirtualMachine) -> None:
@@ -100,15 +130,28 @@ async def seal_disk(vm: VirtualMachine, node: str, new_file: Path, new_node: str
     """Freeze the disk chain's top (`node`) under a new writable qcow2 layer at `new_file`.
 
     The old top is never written again, so a snapshot of the disk costs no copy; the new layer
-    records the old one's absolute path as its backing file.
+    records the old one's absolute path as its backing file. The node creates it and hands it
+    to QEMU's user, and takes the old top back, so no QEMU can write a sealed layer.
     """
-    await vm.command(
-        "blockdev-snapshot-sync",
-        **{
-            "node-name": node,
-            "snapshot-file": str(new_file),
-            "snapshot-node-name": new_node,
-            "format": "qcow2",
-            "mode": "absolute-paths",
-        },
-    )
+    nodes = await vm.command("query-named-block-nodes", flat=True)
+    top = next(info for info in nodes if info.get("node-name") == node)
+    old_file = Path(top["file"])
+    await create_upper_layer(old_file, new_file, size=top["image"]["virtual-size"])
+    confinement = confine.current()
+    try:
+        confinement.hand_over(new_file)
+        await vm.command(
+            "blockdev-snapshot-sync",
+            **{
+                "node-name": node,
+                "snapshot-file": str(new_file),
+                "snapshot-node-name": new_node,
+                "format": "qcow2",
+                "mode": "existing",
+            },
+        )
+    except BaseException:
+        new_file.unlink(missing_ok=True)
+        raise
+    vm.process.handed = [*(path for path in vm.process.handed if path != old_file), new_file]
+    confinement.reclaim(old_file)
