@@ -48,8 +48,8 @@ class Sandboxes:
         self.live[sandbox["sandboxID"]] = sandbox
         return sandbox
 
-    async def create(self) -> dict[str, Any]:
-        return self.track(await self.client.create())
+    async def create(self, template: str = "base") -> dict[str, Any]:
+        return self.track(await self.client.create(template))
 
     async def kill(self, sandbox_id: str) -> None:
         self.live.pop(sandbox_id, None)
@@ -72,14 +72,16 @@ class Context:
     template_id: str  # of `base`
     _base: tuple[list[float], list[float]] | None = field(default=None, init=False)
 
-    async def quiet(self) -> str:
-        """Until the node's warm pool for `base` is full again, then a moment; says how this was decided."""
+    async def quiet(self, snapshot_id: str | None = None) -> str:
+        """Until the node's warm pool for `base` (or `snapshot_id`) is full again, then a moment;
+        says how this was decided."""
         node = self.node
         if not node.local or not node.warm_pool:
             await asyncio.sleep(REFILL_WAIT)
             return f"waited a fixed {REFILL_WAIT:g} s before each sample for the warm pool to refill"
         deadline = time.monotonic() + 120
-        while node.warm_ready(self.template_id) < node.warm_pool and time.monotonic() < deadline:
+        pool = snapshot_id or self.template_id
+        while node.warm_ready(pool) < node.warm_pool and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(SETTLE)
         return (

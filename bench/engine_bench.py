@@ -22,11 +22,7 @@ from aenv.snapshot.engine import GuestInit, SnapshotEngine
 from aenv.snapshot.repository import SnapshotRepository
 from aenv.vmm.accel import accelerator_from_env
 
-from .stats import HEADER, Figure, summarize
-
-
-def _ms(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
+from .stats import HEADER, Figure, ms_since, summarize
 
 
 def _init() -> GuestInit:
@@ -43,14 +39,14 @@ async def run(rounds: int, home: Path) -> list[Figure]:
         for _ in range(rounds):
             started = time.perf_counter()
             cold = await engine.start(template.id, "c" + secrets.token_hex(5), _init())
-            samples["cold"].append(_ms(started))
+            samples["cold"].append(ms_since(started))
             await engine.kill(cold)
         await engine.pool.set_target(template.id, 1)
         for _ in range(rounds):
             await engine.pool.wait_filled(template.id)
             started = time.perf_counter()
             sandbox = await engine.start(template.id, "s" + secrets.token_hex(5), _init())
-            samples["warm"].append(_ms(started))
+            samples["warm"].append(ms_since(started))
             # Dirty some guest memory so pause has pages to capture.
             await sandbox.envd.run(
                 "python3 -c 'b = bytearray(16 << 20); b[::4096] = b\"x\" * len(b[::4096])'"
@@ -58,21 +54,21 @@ async def run(rounds: int, home: Path) -> list[Figure]:
 
             started = time.perf_counter()
             state = await engine.pause(sandbox)
-            samples["pause"].append(_ms(started))
+            samples["pause"].append(ms_since(started))
             started = time.perf_counter()
             sandbox = await engine.resume(state, _init())
-            samples["resume"].append(_ms(started))
+            samples["resume"].append(ms_since(started))
 
             started = time.perf_counter()
             snapshot = await engine.snapshot(sandbox)
-            samples["snapshot"].append(_ms(started))
+            samples["snapshot"].append(ms_since(started))
             engine.repository.delete(snapshot.id)
             await engine.kill(sandbox)
 
         source = await engine.start(template.id, "f" + secrets.token_hex(5), _init())
         started = time.perf_counter()
         children = await engine.fork(source, [("k" + secrets.token_hex(5), _init()) for _ in range(16)])
-        samples["fork"].append(_ms(started))
+        samples["fork"].append(ms_since(started))
         for child in [*children, source]:
             await engine.kill(child)
     finally:

@@ -18,14 +18,10 @@ from typing import Any
 from .context import SETTLE, Context, Sandboxes, bounded
 from .node import BenchError
 from .report import Row
-from .stats import summarize
+from .stats import ms_since, summarize
 
 MARKER = "/tmp/bench-dirtied"
 RELEASE_GRACE = 60.0  # seconds past its parking time a busy node may take to end a parked process
-
-
-def _ms(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
 
 
 def dirty_command(mib: int) -> str:
@@ -63,7 +59,7 @@ async def create(ctx: Context) -> list[Row]:
             note = await ctx.quiet()
             started = time.perf_counter()
             sandbox = await sandboxes.create()
-            samples.append(_ms(started))
+            samples.append(ms_since(started))
             await sandboxes.kill(sandbox["sandboxID"])
     floor = await ctx.restore_floor()
     if floor is not None:
@@ -84,14 +80,14 @@ async def pause_resume(ctx: Context) -> list[Row]:
             await asyncio.sleep(SETTLE)
             started = time.perf_counter()
             await ctx.client.pause(sandbox_id)
-            pauses.append(_ms(started))
+            pauses.append(ms_since(started))
             kept.append(ctx.node.process_kept(sandbox_id))
             await asyncio.sleep(SETTLE)  # a node that keeps the process writes the delta meanwhile
             if (size := ctx.node.pause_delta_bytes(sandbox_id)) is not None:
                 deltas.append(size)
             started = time.perf_counter()
             await ctx.client.resume(sandbox_id)
-            resumes.append(_ms(started))
+            resumes.append(ms_since(started))
     captured = (
         f", each pause captured a median {_mib(int(statistics.median(deltas)))} MiB delta" if deltas else ""
     )
@@ -141,7 +137,7 @@ async def resume_released(ctx: Context) -> list[Row]:
             await asyncio.sleep(SETTLE)
             started = time.perf_counter()
             await ctx.client.resume(sandbox_id)
-            resumes.append(_ms(started))
+            resumes.append(ms_since(started))
     note = (
         f"one sandbox, {plan.released} rounds of pause, the node ending its parked process "
         f"(after {waits} s), resume; its guest changed {plan.dirty_mib} MiB and keeps it"
@@ -155,11 +151,11 @@ async def _timed_snapshot(ctx: Context, sandbox: dict[str, Any]) -> tuple[float,
     durable (ms; it is committed in the background), and its memory delta size."""
     started = time.perf_counter()
     snap = await ctx.client.snapshot(sandbox["sandboxID"])
-    elapsed = _ms(started)
+    elapsed = ms_since(started)
     while not snap.get("durable", True):
         await asyncio.sleep(0.02)
         snap = await ctx.client.snapshot_info(snap["snapshotID"])
-    durable = _ms(started)
+    durable = ms_since(started)
     size = ctx.node.snapshot_delta_bytes(snap["snapshotID"])
     await ctx.client.delete_snapshot(snap["snapshotID"])
     return elapsed, durable, size
@@ -213,11 +209,11 @@ async def fork(ctx: Context) -> list[Row]:
             await asyncio.sleep(SETTLE)
             started = time.perf_counter()
             children = await ctx.client.fork(source["sandboxID"], count)
-            samples.append(_ms(started))
+            samples.append(ms_since(started))
             for child in children:
                 sandboxes.track(child)
             await asyncio.gather(*(ctx.client.run(child, "true") for child in children))
-            usable.append(_ms(started))
+            usable.append(ms_since(started))
             for child in children:
                 await sandboxes.kill(child["sandboxID"])
     floor = await ctx.concurrent_restores(count)
@@ -248,11 +244,11 @@ async def concurrent_resume(ctx: Context) -> list[Row]:
         async def timed_resume(sandbox_id: str) -> float:
             started = time.perf_counter()
             await ctx.client.resume(sandbox_id)
-            return _ms(started)
+            return ms_since(started)
 
         started = time.perf_counter()
         results = await asyncio.gather(*(timed_resume(i) for i in ids), return_exceptions=True)
-        wall = _ms(started)
+        wall = ms_since(started)
     samples = [r for r in results if isinstance(r, float)]
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors and not samples:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
+
+
+def ms_since(started: float) -> float:
+    """Milliseconds since `started`, a `time.perf_counter()` reading."""
+    return (time.perf_counter() - started) * 1000
 
 
 @dataclass(frozen=True)

@@ -93,4 +93,6 @@ TARGETS: dict[str, Target] = {
     # cached costs what a build without steps costs
     "template-build": _ratio("median", "<=", 3),
     "template-build-cached": _ratio("median", "<=", 1.5),
+    # floor: creates from `base` in the same run: a built template's creates must cost the same
+    "template-create": _ratio("median", "<=", 1.2),
 }

@@ -1,4 +1,5 @@
-"""Template build figures: a small build from `base`, cold and then cached, against an empty build.
+"""Template build figures: a small build from `base`, cold and then cached, against an empty build;
+and creates from the built template against creates from `base` (they must cost the same).
 
 Each sample is wall clock from ``POST /v3/templates`` to the build's status ``ready``, through the
 E2B template build API as the SDK drives it. The floor is a build with no steps: one boot of the
@@ -14,9 +15,9 @@ import statistics
 import time
 from typing import Any
 
-from .context import Context
+from .context import Context, Sandboxes
 from .report import Row
-from .stats import summarize
+from .stats import ms_since, summarize
 
 
 def steps(token: str) -> list[dict[str, Any]]:
@@ -34,6 +35,25 @@ async def _timed_build(ctx: Context, name: str, build_steps: list[dict[str, Any]
     return time.perf_counter() - started
 
 
+async def _creates(ctx: Context, name: str) -> tuple[list[float], list[float]]:
+    """Creates (ms) from the built template `name` and from `base`, alternating, each once its
+    warm pool is full again."""
+    built: list[float] = []
+    base: list[float] = []
+    async with Sandboxes(ctx.client) as sandboxes:
+        first = await sandboxes.create(name)
+        snapshot_id = first["templateID"]
+        await sandboxes.kill(first["sandboxID"])
+        for _ in range(ctx.plan.create):
+            for template, pool, samples in ((name, snapshot_id, built), ("base", None, base)):
+                await ctx.quiet(pool)
+                started = time.perf_counter()
+                sandbox = await sandboxes.create(template)
+                samples.append(ms_since(started))
+                await sandboxes.kill(sandbox["sandboxID"])
+    return built, base
+
+
 async def template_build(ctx: Context) -> list[Row]:
     rounds = ctx.plan.template_build
     floor, cold, cached = [], [], []
@@ -47,6 +67,7 @@ async def template_build(ctx: Context) -> list[Row]:
             cached.append(await _timed_build(ctx, names[-1], steps(token)))
             print(f"bench: template build round {index + 1}: empty {floor[-1]:.1f} s, "
                   f"cold {cold[-1]:.1f} s, cached {cached[-1]:.1f} s")  # fmt: skip
+        built, base = await _creates(ctx, names[-1])
     finally:
         for name in names:
             await ctx.client.delete_template(name)
@@ -57,4 +78,6 @@ async def template_build(ctx: Context) -> list[Row]:
             "empty build", note=note, details={"floor_s": floor}),
         Row("template-build-cached", summarize("template rebuild, all steps cached", cached, unit="s"),
             floor_median, "empty build"),
+        Row("template-create", summarize("create from the built template", built), statistics.median(base),
+            "create from base", note="alternating with creates from `base`, each once its pool refilled"),
     ]  # fmt: skip

@@ -7,6 +7,8 @@ step, a cached rebuild, and sandboxes then start from the results by name and ta
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 from e2b import Sandbox, Template, wait_for_file
 from e2b.exceptions import BuildException
 
-from tests.e2e.conftest import NodeServer
+from tests.e2e.conftest import NodeServer, wait_until
 from tests.e2e.test_js_sdk import installed_sdk, run_script
 from tests.template.conftest import run_registry
 from tests.template.debian import debian_layout
@@ -106,6 +108,15 @@ def test_build_from_a_registry_image_with_every_step_and_rebuild_from_cache(
     assert not Template.exists("e2e-image")
 
 
+def warm_vms(node: NodeServer, snapshot_id: str) -> int:
+    """The node's ready warm VMs of a snapshot (their records under its runtime)."""
+    count = 0
+    for record in (node.home / "runtime" / "warm").glob("*/warm.json"):
+        with contextlib.suppress(OSError, ValueError):  # one being written or ended meanwhile
+            count += json.loads(record.read_text()).get("snapshot_id") == snapshot_id
+    return count
+
+
 def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:
     template = (
         Template().from_template("base").set_envs({"MARK": "from-base"}).run_cmd("echo $MARK > /tmp/mark")
@@ -115,6 +126,9 @@ def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:
     try:
         assert run(sandbox, "cat /tmp/mark; whoami") == "from-base\nuser"
         assert int(run(sandbox, "df -Pm / | awk 'NR==2 {print $4}'")) >= 6000  # base has less
+        # creates from a new build start from warm VMs, as from `base`, without a node restart
+        built = Sandbox.get_info(sandbox.sandbox_id).template_id
+        wait_until(lambda: warm_vms(node, built) > 0, 120, what="warm VMs of the new template")
     finally:
         sandbox.kill()
 

@@ -80,8 +80,9 @@ class LocalNode:
         self._engine = orchestrator.engine
         settings = orchestrator.settings
         self.builds = TemplateBuilds(
-            settings.home_path / "templates", self._engine, max_concurrent=settings.template_builds
-        )
+            settings.home_path / "templates", self._engine, max_concurrent=settings.template_builds,
+            warm=settings.warm_pool_size,
+        )  # fmt: skip
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:
         return self.orchestrator.get(sandbox_id)
@@ -260,7 +261,9 @@ class LocalNode:
 
     async def remove_template_tags(self, name: str, tags: list[str]) -> None:
         with template_errors():
-            self.builds.remove_tags(name, tags)
+            pruned = self.builds.remove_tags(name, tags)
+        for snapshot_id in pruned:  # no tag names the build any more: no warm VMs for it
+            await self._engine.pool.drain(snapshot_id)
 
     async def template_tags(self, reference: str) -> list[TagInfo]:
         with template_errors():

@@ -109,9 +109,10 @@ class TagInfo:
 class TemplateBuilds:
     """Build records, tags and the build queue of this node."""
 
-    def __init__(self, root: Path, engine: SnapshotEngine, *, max_concurrent: int = 2):
+    def __init__(self, root: Path, engine: SnapshotEngine, *, max_concurrent: int = 2, warm: int = 0):
         self.root = root
         self.engine = engine
+        self.warm = warm  # warm VMs kept per built template, as for the node's own (0: none)
         self.records_dir = root / "records"
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.uploads = UploadStore(root / "files")
@@ -216,7 +217,8 @@ class TemplateBuilds:
                 self._save(record)
                 manifest = await self._build(record, build, start)
             build.snapshot_id = manifest.id
-            self._publish(record, build, build.tags)
+            replaced = self._publish(record, build, build.tags)
+            await self._keep_warm(manifest.id, replaced)
             build.status = "ready"
             build.logs.append(_entry("info", f"template {record.template_id} is ready", "finalize"))
             log.info("template %s build %s ready (%s)", record.template_id, build.build_id, manifest.id)
@@ -305,8 +307,9 @@ class TemplateBuilds:
         layer = self.engine.layers.import_base(disk, base_layer_key(image))
         return (layer,), BuildState(env=image.config.env_vars), True, None
 
-    def _publish(self, record: TemplateRecord, build: BuildRecord, tags: list[str]) -> None:
-        """Point the tags and the name at the new build; drop builds nothing points at any more."""
+    def _publish(self, record: TemplateRecord, build: BuildRecord, tags: list[str]) -> list[str]:
+        """Point the tags and the name at the new build; drop builds nothing points at any more
+        (their snapshots are returned)."""
         now = rfc3339()
         for tag in tags:
             record.tags[tag] = build.build_id
@@ -316,15 +319,27 @@ class TemplateBuilds:
             repository.remove_alias(record.template_id)
         assert build.snapshot_id is not None
         repository.set_alias(record.template_id, build.snapshot_id)
-        self._prune(record)
+        return self._prune(record)
 
-    def _prune(self, record: TemplateRecord) -> None:
+    def _prune(self, record: TemplateRecord) -> list[str]:
         kept = set(record.tags.values())
+        pruned = []
         for build in record.builds.values():
             if build.snapshot_id and build.build_id not in kept and build.status == "ready":
                 with contextlib.suppress(RepositoryError):
                     self.engine.repository.delete(build.snapshot_id, defer=True)
+                pruned.append(build.snapshot_id)
                 build.snapshot_id = None
+        return pruned
+
+    async def _keep_warm(self, snapshot_id: str, replaced: list[str]) -> None:
+        """Creates from a new build start from warm VMs, as from `base` (the node sets the pools
+        of the templates it has at start; a build's would otherwise wait for a restart); the
+        builds it replaced keep none."""
+        pool = self.engine.pool
+        for old in replaced:
+            await pool.drain(old)
+        await pool.set_target(snapshot_id, self.warm)
 
     # -- status and tags -------------------------------------------------------------------
 
@@ -352,7 +367,8 @@ class TemplateBuilds:
         self._save(record)
         return build_id, tags
 
-    def remove_tags(self, name: str, tags: list[str]) -> None:
+    def remove_tags(self, name: str, tags: list[str]) -> list[str]:
+        """Remove tags; the snapshots of builds no tag points at any more are returned (deleted)."""
         record = self.template(name)
         missing = [t for t in tags if t not in record.tags]
         if missing:
@@ -360,8 +376,9 @@ class TemplateBuilds:
         for tag in tags:
             del record.tags[tag]
             record.tagged_at.pop(tag, None)
-        self._prune(record)
+        pruned = self._prune(record)
         self._save(record)
+        return pruned
 
     def tags(self, reference: str) -> list[TagInfo]:
         record = self.template(reference)
