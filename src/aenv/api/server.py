@@ -490,8 +490,8 @@ class NodeAPI:
     async def take_over(self, request: web.Request) -> web.Response:
         """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
         sandbox_id = self._id(request)
-        if not SANDBOX_ID.fullmatch(sandbox_id):
-            raise InvalidRequest("sandboxID must be a sandbox ID: lowercase letters and digits")
+        if not SANDBOX_ID.fullmatch(sandbox_id):  # no sandbox has such an id, so neither has a pause
+            raise NotFound(f"sandbox {sandbox_id!r} has no durable pause: not a sandbox ID")
         body = await parse(request, schemas.TakeOver, required=False)
         return self._created(await self.node.take_over(sandbox_id, body.timeout))
 
@@ -505,6 +505,8 @@ class NodeAPI:
 
     async def sandboxes_metrics(self, request: web.Request) -> web.Response:
         """The newest sample of each of `sandbox_ids` (comma-separated, or the parameter repeated)."""
+        if unknown := sorted(set(request.query) - {"sandbox_ids"}):
+            raise InvalidRequest(f"unknown query parameters: {', '.join(map(repr, unknown))[:200]}")
         ids = [i for value in request.query.getall("sandbox_ids", []) for i in value.split(",") if i]
         if not 1 <= len(ids) <= MAX_METRICS_SANDBOXES:
             raise InvalidRequest(f"sandbox_ids must name 1 to {MAX_METRICS_SANDBOXES} sandboxes")

@@ -199,12 +199,12 @@ class LocalNode:
                 f"'{name}' is built into this node: creates and a warm pool use it, so it cannot be deleted"
             )
         await pool.drain(manifest.id)
-        if PENDING_MARK in manifest.metadata and await self._engine.pending.cancel(manifest.id):
-            return  # cancelled before its commit: it never becomes visible
-        try:
-            self._engine.repository.delete(manifest.id, defer=True)
-        except RepositoryError as exc:
-            raise Conflict(str(exc)) from exc
+        # One still being committed is cancelled instead: it never becomes visible.
+        if not (PENDING_MARK in manifest.metadata and await self._engine.pending.cancel(manifest.id)):
+            try:
+                self._engine.repository.delete(manifest.id, defer=True)
+            except RepositoryError as exc:
+                raise Conflict(str(exc)) from exc
         log.info("deleted %s %s (alias %s) at the API's request", manifest.kind, manifest.id, manifest.alias)
 
     async def _delete_built(self, name: str) -> None:

@@ -225,6 +225,17 @@ def _without_huge_pages() -> Iterator[None]:
         _libc.prctl(_PR_SET_THP_DISABLE, 0, 0, 0, 0)
 
 
+@contextlib.contextmanager
+def socket_path(directory: Path, name: str) -> Iterator[str]:
+    """`directory/name` spelled short enough for a Unix socket address (at most 107 bytes),
+    through a descriptor of the directory: node homes (a test's, say) can be deep."""
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)
+
+
 def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memory: Path | None) -> int:
     """posix_spawn QEMU in a new session with only the descriptors and environment it needs,
     and without transparent huge pages (`_without_huge_pages`).
@@ -236,7 +247,8 @@ def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memo
     recovery = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         (workdir / RECOVERY_SOCKET).unlink(missing_ok=True)
-        recovery.bind(str(workdir / RECOVERY_SOCKET))
+        with socket_path(workdir, RECOVERY_SOCKET) as path:
+            recovery.bind(path)
         os.chmod(workdir / RECOVERY_SOCKET, 0o600)
         recovery.listen(1)
         actions: list[tuple[Any, ...]] = [
@@ -321,7 +333,8 @@ class VirtualMachine:
         process = QemuProcess(pid, child=False, confinement=confine.current(), handed=config.written_files())
         qmp = QMPClient(f"vm-{pid}")
         try:
-            await qmp.connect(str(workdir / RECOVERY_SOCKET))
+            with socket_path(workdir, RECOVERY_SOCKET) as path:
+                await qmp.connect(path)
         except Exception as exc:
             raise VMError(f"cannot adopt QEMU {pid}: {exc}") from exc
         return cls(config=config, workdir=workdir, process=process, qmp=qmp)
