@@ -78,6 +78,7 @@ async def template_build(ctx: Context) -> list[Row]:
             "empty build", note=note, details={"floor_s": floor}),
         Row("template-build-cached", summarize("template rebuild, all steps cached", cached, unit="s"),
             floor_median, "empty build"),
-        Row("template-create", summarize("create from the built template", built), statistics.median(base),
-            "create from base", note="alternating with creates from `base`, each once its pool refilled"),
+        Row("template-build-create", summarize("create from the built template", built),
+            statistics.median(base), "create from base",
+            note="alternating with creates from `base`, each once its pool refilled"),
     ]  # fmt: skip
