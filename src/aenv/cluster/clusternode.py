@@ -204,26 +204,31 @@ class ClusterNode:
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True
     ) -> tuple[SandboxRecord, bool]:
-        if memory and (moved := await self._elsewhere(sandbox_id, timeout)) is not None:
-            return moved, True
 
         async def connect(node: RemoteNode, binding: Binding) -> tuple[SandboxRecord, bool]:
             record, resumed = await node.connect(sandbox_id, timeout, memory=memory)
             await self._rebind(binding, record)
             return record, resumed
 
-        return await self._on_holder(sandbox_id, connect)
+        try:
+            return await self._on_holder(sandbox_id, connect)
+        except Unavailable:
+            if not memory or (moved := await self._elsewhere(sandbox_id, timeout)) is None:
+                raise
+            return moved, True
 
     async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord:
-        if memory and (moved := await self._elsewhere(sandbox_id, timeout)) is not None:
-            return moved
-
         async def resume(node: RemoteNode, binding: Binding) -> SandboxRecord:
             record = await node.resume(sandbox_id, timeout, memory=memory)
             await self._rebind(binding, record)
             return record
 
-        return await self._on_holder(sandbox_id, resume)
+        try:
+            return await self._on_holder(sandbox_id, resume)
+        except Unavailable:
+            if not memory or (moved := await self._elsewhere(sandbox_id, timeout)) is None:
+                raise
+            return moved
 
     async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
         """Resume a durably paused sandbox on another node than the one holding it."""
@@ -234,8 +239,9 @@ class ClusterNode:
         return await self._take_over(binding, timeout)
 
     async def _elsewhere(self, sandbox_id: str, timeout: int | None) -> SandboxRecord | None:
-        """A durable pause whose node is down, resumed on another node; None for any other case
-        (the holder's own answer, or `locate`'s error, is then the truth)."""
+        """When the holder was unavailable: a durable pause whose node is down, resumed on another
+        node; None for any other case (the holder's refusal is then the answer). Looked up only
+        on that path, so a resume on a live node costs one lookup, as any other call."""
         try:
             binding, info = await self.scheduler.locate(sandbox_id)
         except NotFound:
