@@ -36,8 +36,9 @@ from ..snapshot.repository import (
     SnapshotExists,
     SnapshotNotFound,
 )
+from ..vmm.envd_link import EnvdUnavailable
 from .admission import Admission, meminfo_mib
-from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError
+from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
 from .interface import CreateRequest
 from .metrics import MetricsArchive, between, merge, sandbox_metric
 from .states import Op, State, Transition, transition
@@ -356,7 +357,7 @@ class Orchestrator:
                 self.counters["create_failures"] += 1
                 self._forget(sandbox)
                 log.exception("creating sandbox %s from %s failed", record.sandbox_id, manifest.id)
-                raise OperationFailed(f"creating the sandbox failed: {exc}") from exc
+                raise _start_failure(exc) from exc
         self.counters["create_successes"] += 1
         return sandbox
 
@@ -839,3 +840,14 @@ class Orchestrator:
                 )
             except SandboxError as exc:
                 log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc.message)
+
+
+def _start_failure(exc: Exception) -> SandboxError:
+    """What a client is told when a new sandbox did not start.
+
+    A guest that did not answer in time was starved of CPU (a saturated node, under TCG most
+    often): nothing is wrong with the request, and the same create succeeds once the node has
+    room, so that is a retryable 503 rather than a 500."""
+    if isinstance(exc, TimeoutError | EnvdUnavailable):
+        return Unavailable(f"the sandbox's guest did not answer in time, the node is overloaded: {exc}")
+    return OperationFailed(f"creating the sandbox failed: {exc}")
