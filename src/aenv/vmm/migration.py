@@ -172,8 +172,11 @@ async def unseal_disk(vm: VirtualMachine, node: str, base_file: Path) -> tuple[s
     to QEMU's user first.
     """
     nodes = await vm.command("query-named-block-nodes", flat=True)
-    top_file = Path(next(info for info in nodes if info.get("node-name") == node)["file"])
-    base = next(i["node-name"] for i in nodes if i.get("drv") == "qcow2" and i.get("file") == str(base_file))
+    top = next(info for info in nodes if info.get("node-name") == node)
+    top_file, backing = Path(top["file"]), top["image"].get("full-backing-filename")
+    if backing is None or Path(backing).name != base_file.name:
+        raise VMError(f"disk layer {base_file.name} is not right below {top_file.name}")
+    base = next(i["node-name"] for i in nodes if i.get("drv") == "qcow2" and i.get("file") == backing)
     confinement, user = confine.current(), vm.process.user
     confinement.hand_over(base_file, user)
     job = f"unseal-{node}"
