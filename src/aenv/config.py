@@ -58,10 +58,12 @@ class Settings:
     # Confinement and limits of every VMM (aenv.vmm.confine): no capabilities and a seccomp filter
     # (vmm_confine; off only to measure its cost or debug QEMU), a cgroup per VM bounding CPU to its
     # vCPUs, memory to guest RAM plus vmm_memory_overhead_mib (QEMU itself, its TCG translation
-    # cache and I/O buffers) and its threads to vmm_pids_max. QEMU runs as vmm_user (a system user
-    # the node creates if missing; empty: uid 0 without capabilities).
+    # cache and I/O buffers) and its threads to vmm_pids_max. Every QEMU runs as a uid of its own
+    # (and the group of that number), from vmm_uid_base + 2 * slot_first on, 2 * slot_count of
+    # them (nodes with disjoint slot ranges get disjoint uids); the range must hold no host user
+    # (checked at start). 0: QEMU stays uid 0, without capabilities.
     vmm_confine: bool = True
-    vmm_user: str = "aenv-vmm"
+    vmm_uid_base: int = 2_000_000_000
     vmm_cgroups: bool = True
     vmm_memory_overhead_mib: int = 192
     vmm_pids_max: int = 256
@@ -127,6 +129,9 @@ class Settings:
             problems.append("vcpus must not be negative")
         if self.slot_first < 0 or self.slot_count < 1:
             problems.append("slot_first must not be negative and slot_count must be positive")
+        first_uid = self.vmm_uid_base + 2 * self.slot_first
+        if self.vmm_uid_base and not (first_uid >= 65536 and first_uid + 2 * self.slot_count <= 2**31):
+            problems.append("vmm_uid_base must be 0, or leave the VMM uids between 65536 and 2**31 - 1")
         if self.vmm_memory_overhead_mib < 0 or self.vmm_pids_max < 16 or self.memory_overcommit <= 0:
             problems.append("vmm_memory_overhead_mib, vmm_pids_max (>= 16) or memory_overcommit out of range")
         for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval", "disk_reserve_mib"):

@@ -166,7 +166,7 @@ class Node:
         """Every QEMU from now on: unprivileged, confined, limited, in a root holding only the
         files VMs use (aenv.vmm.confine, aenv.vmm.mountview)."""
         settings = self.settings
-        user = None
+        identities = None
         if settings.vmm_confine:
             if settings.repository.startswith("s3://"):
                 repository = home / "staging"  # templates' memory files, before upload
@@ -179,15 +179,17 @@ class Node:
             boot = (artifacts.kernel, artifacts.initramfs, artifacts.base_image, artifacts.tools_image)
             readable += [paths.cache_dir(), *{file.parent for file in boot}]
             self.mount_view = MountView.start(writable, [d for d in readable if d.is_dir()])
-            if settings.vmm_user:
-                user = confine.RuntimeUser.ensure(settings.vmm_user)
+            if settings.vmm_uid_base:
+                first, count = settings.vmm_uid_base + 2 * settings.slot_first, 2 * settings.slot_count
+                identities = confine.VmmIdentities(first, count)
+                identities.check_unused()
         confinement = confine.from_settings(
             confine=settings.vmm_confine,
             cgroups=settings.vmm_cgroups,
             memory_overhead_mib=settings.vmm_memory_overhead_mib,
             pids=settings.vmm_pids_max,
             mount_namespace=self.mount_view.namespace if self.mount_view else None,
-            user=user,
+            identities=identities,
         )
         confine.install(confinement)
 

@@ -5,8 +5,9 @@ files API, a fork bomb, a full disk and exhausted memory, in that order (one abu
 one neighbour shared by the tests keep them bounded under TCG). During or right after each
 abuse the node's API answers and the neighbour runs commands; afterwards the abuser can still
 be paused, resumed and killed, and its disk use on the host stays within its disk's size. Its
-QEMU runs confined: an unprivileged user without capabilities, seccomp, a root of its own, and
-a cgroup whose limits the guest filling all its RAM does not reach.
+QEMU runs confined: an unprivileged uid of its own without capabilities (which cannot open the
+neighbour's disk layer nor signal its QEMU), seccomp, a root of its own, and a cgroup whose
+limits the guest filling all its RAM does not reach.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import json
 import os
 import shlex
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -122,6 +124,30 @@ def pair(node: NodeServer) -> Iterator[Pair]:
     abuser, neighbour = manager.create(timeout=1800), manager.create(timeout=1800)
     yield Pair(abuser, neighbour, qemu_pid(node, abuser.sandbox_id))
     manager.close()
+
+
+def test_each_vmm_has_a_uid_of_its_own(node: NodeServer, pair: Pair) -> None:
+    """Two sandboxes' QEMUs run as different uids; one cannot open the other's top layer nor signal it."""
+    pids = [pair.pid, qemu_pid(node, pair.neighbour.sandbox_id)]
+    uids = [int(status_fields(pid)["Uid"].split()[0]) for pid in pids]
+    assert uids[0] != uids[1] and 0 not in uids
+    tops = []
+    for sandbox in (pair.abuser, pair.neighbour):
+        state = json.loads((node.home / "sandboxes" / sandbox.sandbox_id / "state.json").read_text())
+        tops.append(node.home / "layers" / f"{state['disk_layers'][-1]}.qcow2")
+    assert [top.stat().st_uid for top in tops] == uids
+    assert all(top.stat().st_mode & 0o077 == 0 for top in tops)  # no other uid reads them either
+
+    def as_abuser(script: str) -> subprocess.CompletedProcess[str]:
+        """`script` as the abuser's QEMU runs: its uid, its root."""
+        identity = [f"--reuid={uids[0]}", f"--regid={uids[0]}", "--clear-groups"]
+        argv = ["nsenter", f"--mount=/proc/{pids[0]}/ns/mnt", "setpriv", *identity, "sh", "-c", script]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    assert as_abuser(f"head -c 3 {tops[0]}").stdout == "QFI"  # its own layer (a qcow2)
+    assert "Permission denied" in as_abuser(f"head -c 3 {tops[1]}").stderr
+    signal = as_abuser(f"kill -0 {pids[1]}")
+    assert signal.returncode != 0 and "not permitted" in signal.stderr
 
 
 def while_running(work: Callable[[], T], node: NodeServer, neighbour: Any) -> T:

@@ -138,31 +138,56 @@ def test_sigkill_of_the_node_mid_pause_loses_nothing(
     settled(node, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect 8 is not fully fixed: a snapshot whose commit fails keeps its sealed layer, so the "
-    "sandbox's chain grows by one per failure (aenv.snapshot.lifecycle.snapshot does not roll the seal back)",
-)
 def test_an_unwritable_repository_fails_a_snapshot_cleanly(node: NodeServer, sandboxes: Sandboxes) -> None:
-    """The snapshot is refused with a JSON error, rolled back whole, and the sandbox runs on."""
+    """A snapshot is answered once captured, then its commit fails: it is rolled back whole (no
+    blob, no layer sealed for it: the chain is as it was), the API says why, and the sandbox runs
+    on. A fork, which waits for its snapshot's commit, fails with a JSON error, as cleanly."""
     sandbox = sandboxes.create()
     sandbox.files.write("/tmp/state", "running")
+    api, headers = f"{node.url}", {"X-API-Key": node.key}
     state_file = node.home / "sandboxes" / sandbox.sandbox_id / "state.json"
     chain = json.loads(state_file.read_text())["disk_layers"]
     repository = node.home / "repository"
     blobs = {path.name for path in (repository / "blobs" / "sha256").iterdir()}
     before = steady(node)
+
+    def chain_restored() -> bool:
+        return json.loads(state_file.read_text())["disk_layers"] == chain
+
     with read_only(repository / "blobs" / "sha256"):
-        failed = httpx.post(
-            f"{node.url}/sandboxes/{sandbox.sandbox_id}/snapshots", json={}, headers={"X-API-Key": node.key},
-            timeout=300,
-        )  # fmt: skip
-        assert failed.status_code >= 500 and failed.json()["message"], failed.text
+        answer = httpx.post(
+            f"{api}/sandboxes/{sandbox.sandbox_id}/snapshots", json={}, headers=headers, timeout=300
+        )
+        assert answer.status_code == 201 and answer.json()["durable"] is False, answer.text
+        snapshot_id = answer.json()["snapshotID"]
+
+        def failure() -> httpx.Response | None:
+            found = httpx.get(f"{api}/snapshots/{snapshot_id}", headers=headers)
+            return None if found.status_code == 200 else found  # 200: still being committed
+
+        failed = wait_until(failure, 120, what="the snapshot's commit to fail")
+        assert failed.status_code == 404 and failed.json()["code"] == 404, failed.text
+        assert f"snapshot {snapshot_id} failed and was rolled back" in failed.json()["message"]
+        assert snapshot_id not in httpx.get(f"{api}/snapshots", headers=headers).text
+        wait_until(chain_restored, 60, what="the snapshot's disk layer to be unsealed")
         assert run_in(sandbox, "cat /tmp/state") == "running"
-    assert json.loads(state_file.read_text())["disk_layers"] == chain  # no layer sealed for nothing
+        fork = httpx.post(f"{api}/sandboxes/{sandbox.sandbox_id}/fork", json={}, headers=headers, timeout=300)
+        assert fork.status_code >= 500 and "fork of sandbox" in fork.json()["message"], fork.text
+        wait_until(chain_restored, 60, what="the fork's disk layer to be unsealed")
     assert {path.name for path in (repository / "blobs" / "sha256").iterdir()} == blobs
     settled(node, before)
     assert run_in(sandbox, "echo still running") == "still running\n"
+    top = node.home / "layers" / f"{chain[-1]}.qcow2"
+    assert top.stat().st_uid == int(status_uid(json.loads(state_file.read_text())["pid"]))  # its VMM's again
     snapshot = sandbox.create_snapshot()  # writable again: the same sandbox snapshots fine
     assert Sandbox.delete_snapshot(snapshot.snapshot_id)
     assert sandbox.kill()
+
+
+def status_uid(pid: int) -> str:
+    """The real uid of process `pid`."""
+    return next(
+        line.split()[1]
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("Uid:")
+    )

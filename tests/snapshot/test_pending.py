@@ -115,3 +115,29 @@ def test_a_restart_finishes_the_commit_or_rolls_back(repo: SnapshotRepository):
         with pytest.raises(SnapshotNotFound):
             repo.get(gone.id)
     assert list(repo.pending_dir().iterdir()) == []
+
+
+def test_a_failed_commit_is_rolled_back_and_explained(repo: SnapshotRepository, monkeypatch):
+    pending = pending_of(repo)
+    manifest, directory = captured(repo, pending, alias="doomed")
+    failed: list[SnapshotManifest] = []
+    pending.on_failed = failed.append
+
+    def unwritable(_: SnapshotManifest) -> None:
+        raise PermissionError("repository read-only")
+
+    monkeypatch.setattr(repo, "commit", unwritable)
+
+    async def main() -> None:
+        pending.add(manifest, directory)
+        with pytest.raises(PermissionError):
+            await pending.committed(manifest.id)
+
+    asyncio.run(main())
+    assert [m.id for m in failed] == [manifest.id] and failed[0].disk_layers == ("lbase",)  # to unseal
+    assert not directory.exists() and pending.get(manifest.id) is None
+    for name in (manifest.id, "doomed"):
+        reason = pending.failure(name)
+        assert reason is not None and "rolled back" in reason and "repository read-only" in reason
+    with pytest.raises(SnapshotNotFound):
+        repo.get(manifest.id)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from aenv.vmm import confine
-from aenv.vmm.confine import CgroupTree, Confinement, Limits, RuntimeUser
+from aenv.vmm.confine import CgroupTree, Confinement, IdentityError, Limits, RuntimeUser, VmmIdentities
 from aenv.vmm.mountview import MountView
 
 V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
@@ -42,11 +42,47 @@ def test_command_joins_the_mount_view_first() -> None:
     assert argv[3 : 3 + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
 
 
-def test_command_runs_qemu_as_the_runtime_user() -> None:
-    argv = Confinement(user=RuntimeUser(uid=900, gid=901, groups=(107,))).command(["qemu"])
+def test_command_runs_qemu_as_its_own_uid() -> None:
+    argv = Confinement().command(["qemu"], RuntimeUser(uid=900, gid=901, groups=(107,)))
     real = f"--rgid={confine.REAL_GROUP}"
     assert argv[:5] == ["setpriv", "--reuid=900", real, "--egid=901", "--groups=107"]
-    assert "--clear-groups" in Confinement(user=RuntimeUser(900, 901)).command(["qemu"])
+    assert "--clear-groups" in Confinement().command(["qemu"], RuntimeUser(900, 901))
+
+
+def test_every_vmm_gets_a_uid_of_its_own_until_it_exits() -> None:
+    identities = VmmIdentities(3_000_000, 3, groups=(107,))
+    confinement = Confinement(identities=identities)
+    first, second = confinement.identity(), confinement.identity()
+    assert first == RuntimeUser(3_000_000, 3_000_000, (107,)) and second is not None
+    assert second.uid == second.gid == 3_000_001
+    confinement.give_back(first)
+    third = confinement.identity()
+    assert third is not None and third.uid == 3_000_002  # a freed uid is reused as late as possible
+    assert confinement.identity() == first
+    with pytest.raises(IdentityError, match="all 3"):
+        confinement.identity()
+    confinement.release(0, second)
+    assert identities.in_use() == 2
+    assert Confinement().identity() is None  # no range: QEMU stays uid 0, without capabilities
+
+
+def test_a_uid_range_holding_host_users_is_refused() -> None:
+    with pytest.raises(IdentityError, match="nobody"):
+        VmmIdentities(65_000, 1024, groups=()).check_unused()  # nobody is 65534
+    VmmIdentities(3_000_000, 1024, groups=()).check_unused()
+    with pytest.raises(IdentityError, match="out of bounds"):
+        VmmIdentities(2**31 - 10, 1024, groups=())
+
+
+def test_a_handed_file_is_its_vmm_s_alone_and_taken_back(tmp_path: Path) -> None:
+    layer = tmp_path / "top.qcow2"
+    layer.write_bytes(b"disk")
+    user = RuntimeUser(3_000_000, 3_000_000)
+    Confinement.hand_over(layer, user)
+    handed = layer.stat()
+    assert (handed.st_uid, handed.st_gid, handed.st_mode & 0o777) == (user.uid, user.gid, 0o600)
+    Confinement.reclaim(layer, user)
+    assert layer.stat().st_uid == os.getuid() and layer.stat().st_mode & 0o777 == 0o600
 
 
 def test_mount_view_holds_only_the_vm_directories(tmp_path: Path) -> None:
@@ -61,24 +97,25 @@ def test_mount_view_holds_only_the_vm_directories(tmp_path: Path) -> None:
     nobody = RuntimeUser(uid=65534, gid=65533)  # a group apart from confine.REAL_GROUP
     view = MountView.start([writable], [readable])
     try:
-        confined = Confinement(seccomp=False, mount_namespace=view.namespace, user=nobody)
-        as_root = Confinement(seccomp=False, mount_namespace=view.namespace)
+        confined = Confinement(seccomp=False, mount_namespace=view.namespace)
 
-        def run(script: str, confinement: Confinement = confined) -> subprocess.CompletedProcess[str]:
-            argv = confinement.command(["sh", "-c", script])
+        def run(script: str, user: RuntimeUser | None = nobody) -> subprocess.CompletedProcess[str]:
+            argv = confined.command(["sh", "-c", script], user)
             return subprocess.run(argv, capture_output=True, text=True)
 
         assert run(f"id -u && cat {readable}/image").stdout == "65534\nimage"
         # Non-dumpable (real and effective group differ): its /proc files are root's, no peer traces
         # it. Not through sh, which makes its effective group its real one.
-        owner = subprocess.run(confined.command(["stat", "-c", "%U", "/proc/self/mem"]), capture_output=True)
+        owner = subprocess.run(
+            confined.command(["stat", "-c", "%U", "/proc/self/mem"], nobody), capture_output=True
+        )
         assert owner.stdout == b"root\n"
-        assert run(f"touch {writable}/layer && echo ok", as_root).stdout == "ok\n"
+        assert run(f"touch {writable}/layer && echo ok", None).stdout == "ok\n"
         assert "Permission denied" in run(f"touch {writable}/other").stderr  # root's directory
-        assert "Read-only" in run(f"touch {readable}/x", as_root).stderr
-        assert "Read-only" in run("touch /etc/aenv-confinement-test", as_root).stderr
-        assert "No such file" in run(f"cat {secrets}/api-key", as_root).stderr
-        assert run(f"ls {home}", as_root).stdout.split() == ["layers", "runtime"]
+        assert "Read-only" in run(f"touch {readable}/x", None).stderr
+        assert "Read-only" in run("touch /etc/aenv-confinement-test", None).stderr
+        assert "No such file" in run(f"cat {secrets}/api-key", None).stderr
+        assert run(f"ls {home}", None).stdout.split() == ["layers", "runtime"]
         assert run("echo > /dev/null && head -c 1 /dev/urandom | wc -c").stdout == "1\n"
         assert run("qemu-system-x86_64 -version").returncode == 0
     finally:
@@ -148,7 +185,7 @@ def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
     confinement = Confinement(cgroups=tree)
     for group in tree.group(confine.group_name(5)).values():
         group.mkdir(parents=True)
-    confinement.release(5)
+    confinement.release(5, None)
     assert not any(path.exists() for path in tree.group("vm-5").values())
     for group in tree.group("vm-6").values():
         group.mkdir(parents=True)
@@ -158,6 +195,6 @@ def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")
 def test_the_host_tree_accepts_a_group() -> None:
     configured = confine.from_settings(
-        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, user=None
+        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None
     )
     assert configured.cgroups is not None

@@ -7,15 +7,20 @@ import dataclasses
 import hashlib
 import secrets
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from aenv.snapshot.engine import EngineError, GuestInit, SnapshotEngine
+from aenv.snapshot.handover import pause_alias
 from aenv.snapshot.manifest import new_snapshot_id
-from aenv.snapshot.repository import SnapshotRepository
+from aenv.snapshot.parking import ParkingPolicy
+from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 from aenv.snapshot.warm import WarmRecord
+
+from ..conftest import wait_for
 
 # A long-running interpreter that keeps a value in memory and serves it with its PID.
 KEEPER = """
@@ -286,3 +291,53 @@ def test_warm_pool_hands_out_restored_guests(base_template, engine, sandboxes):
         node.run(engine.pool.drain(base_template.id))
     assert engine.pool.ready(base_template.id) == 0
     assert not [h for h in engine.repository.holders(base_template.id) if h.startswith("w")]
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["from-disk", "parked"])
+def test_a_local_resume_supersedes_the_running_pause_upload(
+    base_template, engine, node_loop, sandboxes, monkeypatch, parked: bool
+):
+    """With durable pauses on, a resume here does not wait for the pause's upload: the upload never
+    commits (no pause snapshot another node could take over), the sandbox continues on a new layer
+    over the one the upload reads (its kept QEMU process, if parked, switches to it), and its next
+    pause becomes durable as usual."""
+    monkeypatch.setattr(engine.handover, "enabled", True)
+    if parked:
+        monkeypatch.setattr(engine.parked, "policy", ParkingPolicy(max_seconds=60, max_count=8))
+    entered, gate, left = threading.Event(), threading.Event(), threading.Event()
+    put_blob = engine.repository.put_blob
+
+    def held(*args, **kwargs):  # the upload's first store waits until the test lets it go
+        entered.set()
+        gate.wait(300)
+        left.set()
+        return put_blob(*args, **kwargs)
+
+    monkeypatch.setattr(engine.repository, "put_blob", held)
+    sandbox = sandboxes.start(base_template.id)
+    sandbox.sdk().files.write("/tmp/state", "paused once")
+    chain = list(sandboxes.pause(sandbox).disk_layers)
+    try:
+        assert entered.wait(120)  # parked: once the pages are saved, after the pause returned
+        resumed = sandboxes.resume(sandbox.sandbox_id)
+        assert not left.is_set()  # resumed while the upload still held its first store
+    finally:
+        gate.set()
+        node_loop.run(engine.parked.release_all())
+    assert (resumed.vm.vm.pid == sandbox.vm.vm.pid) is parked
+    node_loop.run(engine.handover.close())  # the superseded upload ends without committing
+    alias = pause_alias(sandbox.sandbox_id)
+    with pytest.raises(SnapshotNotFound):
+        engine.repository.get(alias)
+    state = resumed.vm.state
+    assert state.disk_layers[:-1] == chain and state.durable is None
+    assert engine.layers.path(chain[-1]).stat().st_mode & 0o222 == 0  # sealed: the upload's copy holds
+    sdk = resumed.sdk()
+    assert sdk.files.read("/tmp/state") == "paused once"
+    sdk.files.write("/tmp/state", "paused twice")
+    paused = sandboxes.pause(resumed)
+    wait_for(lambda: paused.durable is not None, timeout=120)  # no resume meanwhile: committed
+    assert paused.durable == engine.repository.get(alias).id
+    assert sandboxes.resume(sandbox.sandbox_id).sdk().files.read("/tmp/state") == "paused twice"
+    with pytest.raises(SnapshotNotFound):  # claimed by the resume here, and retired
+        engine.repository.get(alias)

@@ -174,7 +174,8 @@ class LocalNode:
         try:
             manifest = manifest or self._engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, InvalidName):
-            raise NotFound(f"'{reference}' not found") from None
+            failure = self._engine.pending.failure(catalog_name(reference))  # answered, then failed
+            raise NotFound(failure or f"'{reference}' not found") from None
         if PAUSE_MARK in manifest.metadata:
             raise NotFound(f"'{reference}' not found")
         if kind is not None and manifest.kind != kind:

@@ -147,6 +147,8 @@ class Orchestrator:
         self.on_changed: Callable[[str], None] = lambda sandbox_id: None
         engine.handover.describe = self._describe
         engine.handover.on_durable = self._durable
+        engine.pending.on_failed = self._snapshot_failed
+        self._unseals: set[asyncio.Task[None]] = set()
 
     # -- state transitions -----------------------------------------------------------------
 
@@ -296,7 +298,8 @@ class Orchestrator:
         try:
             return self.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, RepositoryError):
-            raise NotFound(f"template '{reference}' not found") from None
+            failure = self.engine.pending.failure(catalog_name(reference))
+            raise NotFound(failure or f"template '{reference}' not found") from None
 
     # -- create ----------------------------------------------------------------------------
 
@@ -591,6 +594,26 @@ class Orchestrator:
                 raise Conflict(str(exc)) from exc
             except ENGINE_FAILURES as exc:
                 raise OperationFailed(f"snapshot of sandbox {sandbox.id} failed: {exc}") from exc
+
+    def _snapshot_failed(self, manifest: SnapshotManifest) -> None:
+        """A snapshot answered earlier failed to commit: unseal the disk layer it sealed, as soon as
+        nothing else runs on its sandbox (a fork waiting for that very commit holds the lock now)."""
+        sandbox = self.sandboxes.get(manifest.source.get("sandbox_id", ""))
+        if sandbox is None or not manifest.disk_layers:
+            return
+        task = asyncio.create_task(self._unseal(sandbox, manifest.disk_layers[-1]))
+        self._unseals.add(task)
+        task.add_done_callback(self._unseals.discard)
+
+    async def _unseal(self, sandbox: Sandbox, layer: str) -> None:
+        async with sandbox.lock:
+            if sandbox.vm is None or sandbox.record.state != State.RUNNING:
+                return  # paused or gone: the sealed layer stays under the top (or goes with it)
+            try:
+                if await self.engine.unseal(sandbox.vm, layer):
+                    log.info("sandbox %s: layer %s unsealed after its snapshot failed", sandbox.id, layer)
+            except ENGINE_FAILURES:
+                log.exception("sandbox %s: unsealing layer %s failed; it stays sealed", sandbox.id, layer)
 
     # -- durable pauses: sandboxes moving between nodes (`aenv.snapshot.handover`) ----------
 

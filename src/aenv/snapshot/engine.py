@@ -166,6 +166,10 @@ class SnapshotEngine:
             sandbox, alias=alias, metadata=metadata, memory=memory, wait=wait
         )
 
+    async def unseal(self, sandbox: SandboxVM, layer: str) -> bool:
+        """Undo the seal of a snapshot that failed after its answer (`Lifecycle.unseal`)."""
+        return await self.lifecycle.unseal(sandbox, layer)
+
     async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
         """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
         return await self.handover.take_over(self.lifecycle, pause, init, policy)

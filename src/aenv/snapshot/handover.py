@@ -7,8 +7,14 @@ state, and every layer of the sandbox's disk chain, its writable top layer inclu
 while nothing writes to it: the VM is stopped). Its alias `aenv.pause.<sandbox id>` lets any
 node find it by sandbox id, and its metadata carry the sandbox's record as the node service
 describes it (`describe`), so the node taking it over knows the sandbox's tokens and settings.
-`SandboxState.durable` names it once it is committed: until then the pause is on this node only,
-and a resume or kill here waits for the upload to end (the disk layer must not change under it).
+`SandboxState.durable` names it once it is committed: until then the pause is on this node only.
+
+A resume or kill here does not wait for the upload: it supersedes it (`claim`). A superseded
+upload never commits its manifest (checked under the same lock as the commit, so the upload
+either committed before, and the pause is claimed as any durable one, or never will), and
+stops at its next step; what it stored already is unnamed and goes with the collector's grace
+rule. The files it reads stay as they were: the pause's memory files are immutable, and a
+resume here gives the sandbox a new writable layer over the paused one (`Lifecycle.resume`).
 
 Who continues the sandbox is decided once, by the repository's claim on the pause snapshot (a
 conditional write): a resume here, a kill here and a take-over elsewhere each claim it first,
@@ -21,8 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +52,25 @@ def pause_alias(sandbox_id: str) -> str:
     return f"aenv.pause.{sandbox_id}"
 
 
+class Superseded(Exception):
+    """The paused sandbox was resumed or killed here before its upload committed (its id)."""
+
+
+@dataclass
+class _Upload:
+    """A pause being committed to the repository, and whether a resume or kill superseded it."""
+
+    state: SandboxState  # a copy, as paused: the sandbox's own state moves on
+    superseded: bool = False
+    committed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    task: asyncio.Task[None] | None = None
+
+    def check(self) -> None:
+        if self.superseded:
+            raise Superseded(self.state.sandbox_id)
+
+
 class SandboxMoved(EngineError):
     """Another node claimed the paused sandbox: it continues there, and is gone from here."""
 
@@ -61,7 +89,7 @@ class Handover:
         self.describe: Callable[[str], dict[str, str]] = lambda sandbox_id: {}
         # Told a sandbox id when its pause is committed, so the node can report it as durable.
         self.on_durable: Callable[[str], None] = lambda sandbox_id: None
-        self._uploads: dict[str, asyncio.Task[None]] = {}
+        self._uploads: dict[str, _Upload] = {}
 
     @property
     def node(self) -> str:
@@ -74,13 +102,18 @@ class Handover:
         if not self.enabled or state.durable is not None:
             return
         metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id}
-        task = asyncio.create_task(self._upload(state, origin, metadata))
-        self._uploads[state.sandbox_id] = task
-        task.add_done_callback(lambda _: self._uploads.pop(state.sandbox_id, None))
+        upload = _Upload(dataclasses.replace(state, disk_layers=list(state.disk_layers)))
+        upload.task = asyncio.create_task(self._upload(upload, state, origin, metadata))
+        self._uploads[state.sandbox_id] = upload
+        upload.task.add_done_callback(lambda _: self._forget(state.sandbox_id, upload))
+
+    def _forget(self, sandbox_id: str, upload: _Upload) -> None:
+        if self._uploads.get(sandbox_id) is upload:
+            del self._uploads[sandbox_id]
 
     async def close(self) -> None:
         """Let running uploads finish (a node stopping cleanly leaves its pauses durable)."""
-        await asyncio.gather(*self._uploads.values(), return_exceptions=True)
+        await asyncio.gather(*(u.task for u in self._uploads.values() if u.task), return_exceptions=True)
 
     def recover(self, state: SandboxState) -> None:
         """After a restart: commit a pause the previous node process had not committed yet."""
@@ -93,16 +126,34 @@ class Handover:
             return
         self.paused(state, origin)
 
-    async def settle(self, sandbox_id: str) -> None:
-        """Wait for the sandbox's upload, if one runs (the disk layer must not change under it)."""
-        task = self._uploads.get(sandbox_id)
-        if task is not None:
-            await asyncio.shield(task)
+    async def supersede(self, sandbox_id: str) -> bool:
+        """Before a resume or kill here: stop the sandbox's upload from ever committing.
 
-    async def _upload(self, state: SandboxState, origin: SnapshotManifest, metadata: dict[str, str]) -> None:
+        True if an upload was superseded (it may still read the pause's files a while: a resume
+        must not write them); False if none runs, or it committed already (then it has ended
+        and the saved state names the pause snapshot).
+        """
+        upload = self._uploads.get(sandbox_id)
+        if upload is None:
+            return False
+        with upload.lock:
+            upload.superseded = not upload.committed
+        if upload.superseded:
+            log.info("pause upload of sandbox %s superseded: it resumes or ends here", sandbox_id)
+            return True
+        if upload.task is not None:
+            await asyncio.shield(upload.task)  # committed: only the saved state is left to write
+        return False
+
+    async def _upload(
+        self, upload: _Upload, state: SandboxState, origin: SnapshotManifest, metadata: dict[str, str]
+    ) -> None:
         try:
-            manifest = await asyncio.to_thread(self._commit, state, origin, metadata)
-        except Exception:  # the pause stays on this node; a restart or the next pause tries again
+            manifest = await asyncio.to_thread(self._commit, upload, origin, metadata)
+        except Exception as exc:  # the pause stays on this node; a restart or the next pause tries again
+            if upload.superseded:  # its files may be gone by now (a kill): not an error
+                log.info("pause upload of sandbox %s stopped, superseded (%r)", state.sandbox_id, exc)
+                return
             log.exception("committing the pause of sandbox %s to the repository failed", state.sandbox_id)
             return
         state.durable = manifest.id
@@ -111,17 +162,20 @@ class Handover:
         log.info("pause of sandbox %s is durable as %s", state.sandbox_id, manifest.id)
 
     def _commit(
-        self, state: SandboxState, origin: SnapshotManifest, metadata: dict[str, str]
+        self, upload: _Upload, origin: SnapshotManifest, metadata: dict[str, str]
     ) -> SnapshotManifest:
-        """Upload the pause's files and commit its manifest (blocking: run in a worker thread)."""
-        repository = self.host.repository
+        """Upload the pause's files and commit its manifest, unless superseded (blocking: run in
+        a worker thread)."""
+        repository, state = self.host.repository, upload.state
         device_state, deltas, sizes = origin.device_state, (), {}
         if state.disk_only or state.delta is None or state.devices is None:
             metadata = {**metadata, DISK_ONLY: "true"}
         else:
             delta = repository.put_blob(state.delta)
+            upload.check()
             device_state, deltas = repository.put_blob(state.devices), (delta,)
             sizes = {delta: Path(state.delta).stat().st_size}
+        upload.check()
         layers = self.host.runtime.publish_layers(state.disk_layers)
         manifest = SnapshotManifest(
             id=new_snapshot_id(), kind="snapshot", alias=pause_alias(state.sandbox_id), created_at=utc_now(),
@@ -130,16 +184,20 @@ class Handover:
             vmstate_prefix=origin.vmstate_prefix, disk_layers=layers,
             runtime=origin.runtime, metadata=metadata, sizes=sizes,
         )  # fmt: skip
-        repository.commit(manifest)
+        with upload.lock:
+            upload.check()
+            repository.commit(manifest)
+            upload.committed = True
         return manifest
 
     async def claim(self, state: SandboxState) -> str | None:
         """Before this node resumes or kills the paused sandbox: make sure nobody took it over.
 
         Returns the pause snapshot now claimed by this node (None if the pause is not durable).
-        The saved state is read again after any upload ended: `state` may predate it.
+        An upload still running is superseded first (`supersede`), never waited for. The saved
+        state is read again: `state` may predate an upload that committed.
         """
-        await self.settle(state.sandbox_id)
+        await self.supersede(state.sandbox_id)
         with contextlib.suppress(OSError, ValueError):
             state.durable = self.host.load_state(state.sandbox_id).durable
         if state.durable is None:

@@ -109,20 +109,31 @@ class Lifecycle:
         """Continue a paused sandbox from its saved state (or its parked process).
 
         `SandboxMoved` if another node took it over from the repository (it is gone from here).
+        The pause's upload to the repository, if one runs, is not waited for: it is superseded
+        (`Handover.supersede`), and the sandbox writes a new layer over the one being uploaded.
         """
+        uploading = await self.handover.supersede(state.sandbox_id)
         pause = await self.handover.claim(state)
         try:
-            sandbox = await self._resume(state, init)
+            sandbox = await self._resume(state, init, uploading)
         except BaseException:
             await self.handover.unclaim(pause)
+            if uploading:  # paused still: commit its pause again, now from its current files
+                with contextlib.suppress(OSError, ValueError):
+                    self.handover.recover(self.host.load_state(state.sandbox_id))
             raise
         await self.handover.retire(sandbox.state, pause)
         return sandbox
 
-    async def _resume(self, state: SandboxState, init: GuestInit) -> SandboxVM:
+    async def _resume(self, state: SandboxState, init: GuestInit, uploading: bool) -> SandboxVM:
         parked = self.pauses.lot.take(state.sandbox_id)
         if parked is not None:
+            if uploading:
+                await parked.capture  # done before the upload began; the guest is stopped
+                await self._new_top(parked.sandbox.state, parked.sandbox)
             return await self.pauses.resume_parked(parked, init)
+        if uploading:
+            await self._new_top(state, None)
         if state.paused and state.disk_only:
             return await self.reboot(state, init)
         if not state.paused or state.delta is None or state.devices is None:
@@ -134,6 +145,24 @@ class Lifecycle:
         prefix = self.host.runtime.vmstate_prefix(manifest)
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
         return await self.clones.launch(state, manifest, [Path(state.delta)], stream, init)
+
+    async def _new_top(self, state: SandboxState, kept: SandboxVM | None) -> None:
+        """Give a paused sandbox a new writable layer over its top one, which is sealed: an upload
+        of its pause, superseded but maybe still reading that layer, never sees it change.
+
+        `kept`: the sandbox's QEMU process, stopped but kept (parked), which writes the new layer
+        from now on; else the layer is made for the QEMU the resume starts.
+        """
+        layers, below = self.host.layers, state.disk_layers[-1]
+        if kept is None:
+            top = await layers.create_upper(below)
+        else:
+            top = new_layer_id()
+            await migration.seal_disk(kept.vm, kept.root_node, layers.path(top), f"n{top}")
+            kept.root_node = f"n{top}"
+        layers.seal(below)
+        state.disk_layers.append(top)
+        state.save(self.host.workdir(state.sandbox_id))
 
     async def reboot(self, state: SandboxState, init: GuestInit) -> SandboxVM:
         """Boot a sandbox paused with its disk only: a new guest on the same disk."""
@@ -210,6 +239,11 @@ class Lifecycle:
         sandboxes started from the snapshot boot from it. Without `wait` the call returns once
         the capture is on this node's disk, with the manifest marked pending, and the snapshot
         is committed in the background (`aenv.snapshot.pending`); else it returns it committed.
+
+        A snapshot that fails before it is answered leaves nothing: its capture is removed and
+        a disk layer it sealed is unsealed (`unseal`), so the sandbox runs on its chain as it
+        was. One whose background commit fails is rolled back by `pending` (its files), and
+        whoever serializes the sandbox's operations unseals its layer (`PendingSnapshots.on_failed`).
         """
         host = self.host
         self._check_alias_free(alias)
@@ -217,28 +251,56 @@ class Lifecycle:
         directory = self.pending.directory(snapshot_id)
         state = sandbox.state
         sealed = state.disk_layers[-1]
+        new_top = new_layer_id()
+        new_node = f"n{new_top}"
         try:
-            new_top = new_layer_id()
-            new_node = f"n{new_top}"
             if not memory:
                 await write_out_files(sandbox)
             async with migration.stopped(sandbox.vm, resume=True):
                 if memory:  # neither hashed nor flushed with the guest stopped: `pending` does both
                     await self.clones.capture(sandbox, directory, CAPTURE, sync=False)
                 await migration.seal_disk(sandbox.vm, sandbox.root_node, host.layers.path(new_top), new_node)
-            host.layers.seal(sealed)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         sandbox.root_node = new_node
         state.disk_layers.append(new_top)
-        state.save(host.workdir(state.sandbox_id))
-        draft = self._snapshot_manifest(snapshot_id, sandbox, memory, state.disk_layers[:-1], alias, metadata)
-        self.pending.add(draft, directory)
+        try:
+            host.layers.seal(sealed)
+            state.save(host.workdir(state.sandbox_id))
+            chain = state.disk_layers[:-1]
+            draft = self._snapshot_manifest(snapshot_id, sandbox, memory, chain, alias, metadata)
+            self.pending.add(draft, directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            await self.unseal(sandbox, sealed)
+            raise
         if not wait:
             return self.pending.get(snapshot_id) or host.repository.get(snapshot_id)
         await self.pending.committed(snapshot_id)
         return host.repository.get(snapshot_id)
+
+    async def unseal(self, sandbox: SandboxVM, layer: str) -> bool:
+        """Undo the seal of disk layer `layer` by a snapshot that failed: what the sandbox wrote
+        since moves down into it and it is the sandbox's writable top again, so failed snapshots
+        never lengthen its chain. Only while `layer` is right below the running sandbox's top
+        (else a later snapshot or pause holds it, and it stays); returns whether it was undone.
+        The caller holds the sandbox still (no other operation on it meanwhile).
+        """
+        state, layers = sandbox.state, self.host.layers
+        if state.paused or state.disk_layers[-2:-1] != [layer] or not sandbox.vm.alive():
+            return False
+        top = state.disk_layers[-1]
+        try:
+            base_node, _ = await migration.unseal_disk(sandbox.vm, sandbox.root_node, layers.path(layer))
+        except BaseException:
+            layers.seal(layer)  # the chain stays as it was, the layer read-only again
+            raise
+        sandbox.root_node = base_node
+        state.disk_layers.pop()
+        state.save(self.host.workdir(state.sandbox_id))
+        layers.remove(top)
+        return True
 
     def _check_alias_free(self, alias: str | None) -> None:
         """A snapshot answered before its commit must not fail it later for its alias: check now."""
@@ -284,8 +346,11 @@ class Lifecycle:
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         """Start children from the sandbox's current state; the source keeps running.
 
-        The children share one hidden snapshot, deleted as soon as the last of them is gone.
+        The children share one hidden snapshot, deleted as soon as the last of them is gone. A
+        fork that fails leaves the source's disk chain as it was: a failed commit is undone by
+        `snapshot`'s caller (`PendingSnapshots.on_failed`), children that fail to start here.
         """
+        sealed = sandbox.state.disk_layers[-1]
         manifest = await self.snapshot(sandbox, metadata={"aenv.fork-of": sandbox.sandbox_id})
         policy = sandbox.state.egress
         results = await asyncio.gather(
@@ -298,5 +363,7 @@ class Lifecycle:
         if failures:
             for child in started:
                 await self.kill(child)
+            if not self.host.repository.is_live(manifest.id):  # deleted with its last child
+                await self.unseal(sandbox, sealed)
             raise EngineError(f"fork failed: {failures[0]}") from failures[0]
         return started

@@ -17,6 +17,12 @@ Until then:
   finishes the commit at its next start (`recover`, checking every file against its digest);
   one that ends before it rolls the snapshot back. Nobody ever sees half a snapshot.
 
+A commit that fails (the repository unwritable, say) rolls the snapshot back: its pending
+files go, blobs it stored already stay unnamed until the collector's grace period ends (a blob
+may be another snapshot's too), and `on_failed` is told, so that the disk layer its capture
+sealed is unsealed (`Lifecycle.unseal`) and the sandbox's chain is as it was. The API then
+answers for the snapshot with why it failed (`failure`) instead of a bare 404.
+
 On posix_fs the files become blobs by rename (the pending directory is beside the repository's
 staging), so the background part costs the hash and the flush.
 """
@@ -29,6 +35,8 @@ import logging
 import os
 import shutil
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +51,7 @@ MANIFEST = "manifest.json"
 CAPTURE = "snapshot"  # the capture's file stem: <stem>.devices and <stem>.delta
 DEVICES = f"{CAPTURE}.devices"
 DELTA = f"{CAPTURE}.delta"
+FAILURES_KEPT = 1024  # failed snapshots the API still explains (the oldest are forgotten)
 
 
 @dataclass
@@ -67,6 +76,10 @@ class PendingSnapshots:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
+        self._failures: OrderedDict[str, str] = OrderedDict()  # id and alias -> why it failed
+        # Told of a snapshot whose commit failed (after its rollback): the sandbox's disk layer
+        # sealed for it is to be unsealed. Must not block.
+        self.on_failed: Callable[[SnapshotManifest], None] = lambda manifest: None
 
     def directory(self, snapshot_id: str) -> Path:
         """Where a snapshot's capture goes before it is committed (made here, empty)."""
@@ -90,8 +103,25 @@ class PendingSnapshots:
             log.exception("committing snapshot %s failed; it is rolled back", entry.manifest.id)
             shutil.rmtree(entry.directory, ignore_errors=True)
             entry.error = exc
+            self._failed(entry.manifest, exc)
         finally:
             self._entries.pop(entry.manifest.id, None)
+
+    def _failed(self, manifest: SnapshotManifest, error: Exception) -> None:
+        reason = f"snapshot {manifest.id} failed and was rolled back: committing it failed ({error})"
+        for name in filter(None, (manifest.id, manifest.alias)):
+            self._failures[name] = reason
+            self._failures.move_to_end(name)
+        while len(self._failures) > FAILURES_KEPT:
+            self._failures.popitem(last=False)
+        try:
+            self.on_failed(manifest)
+        except Exception:  # the rollback of the snapshot itself is done; the layer stays sealed
+            log.exception("unsealing the disk layer of failed snapshot %s failed", manifest.id)
+
+    def failure(self, id_or_alias: str) -> str | None:
+        """Why a snapshot this node answered failed later (None: no such failure known)."""
+        return self._failures.get(id_or_alias)
 
     def _complete(self, entry: _Entry) -> None:
         """Hash and flush the captured files, then write the manifest beside them (the point

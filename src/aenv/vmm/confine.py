@@ -1,20 +1,22 @@
 """What a guest escaping into its QEMU process finds: no privileges, a seccomp filter, limits.
 
-Every VMM runs as an unprivileged runtime user (`aenv-vmm` by default, created if missing),
-with an empty capability bounding set and `no_new_privs` (applied by util-linux `setpriv`,
-which execs QEMU in place, so the node still watches, reads and adopts QEMU's own pid), in a
-root of its own holding only the files VMs need (`aenv.vmm.mountview`, joined with `nsenter`,
-which also execs in place), under QEMU's seccomp sandbox with the obsolete,
-privilege-raising, process-spawning and resource-control system calls denied, and in a cgroup
-of its own that bounds its CPU time to its vCPUs, its memory to guest RAM plus the VMM's
-measured overhead, and its thread count.
+Every VMM runs as an unprivileged uid of its own (`VmmIdentities`: one per VM from a range
+reserved in the settings, with a group of the same number and no /etc/passwd entry), so a
+QEMU a guest took over can neither signal another VM's QEMU nor open its files. It has an
+empty capability bounding set and `no_new_privs` (applied by util-linux `setpriv`, which execs
+QEMU in place, so the node still watches, reads and adopts QEMU's own pid), a root of its own
+holding only the files VMs need (`aenv.vmm.mountview`, joined with `nsenter`, which also execs
+in place), QEMU's seccomp sandbox with the obsolete, privilege-raising, process-spawning and
+resource-control system calls denied, and a cgroup of its own that bounds its CPU time to its
+vCPUs, its memory to guest RAM plus the VMM's measured overhead, and its thread count.
 
-Files: the runtime user owns only what its QEMU writes through a path, its top disk layer (and
-a template build's memory file), handed over at spawn and taken back (`reclaim`) when a seal
-freezes that layer or the process exits; everything else it reads (memory images, lower
-layers, boot files, state streams) stays the node's and read-only to it, and what it writes
-otherwise (logs, device state, streams) or listens on (the recovery monitor) the node opens
-and passes as file descriptors.
+Files: a VMM's uid owns only what its QEMU writes through a path, its top disk layer (and a
+template build's memory file), handed over at spawn (mode 0600: no other VMM reads it either)
+and taken back (`reclaim`) when a seal freezes that layer or the process exits; everything
+else it reads (memory images, sealed layers, boot files, state streams) stays the node's and
+read-only to it, and what it writes otherwise (logs, device state, streams) or listens on (the
+recovery monitor) the node opens and passes as file descriptors. `/dev/kvm` it opens through
+the device's group, which every VMM gets as a supplementary group.
 
 Cgroups: v2 (one unified tree) on modern hosts, v1 (one tree per controller) elsewhere; the
 layout is detected from `/proc/self/cgroup`, and every VM's group sits below the node's own, so
@@ -27,7 +29,6 @@ import contextlib
 import logging
 import os
 import pwd
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,10 @@ log = logging.getLogger(__name__)
 
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 DROP_PRIVILEGES = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--")
-DEFAULT_USER = "aenv-vmm"
-# QEMU's real group, different from its effective one (the user's group): the kernel then marks
-# every VMM non-dumpable at exec, so that VMMs, which share a uid, cannot trace or read each
-# other (ptrace, /proc/<pid>/mem, process_vm_readv). The overflow group grants nothing.
+# QEMU's real group, different from its effective one (its own group): the kernel then marks
+# every VMM non-dumpable at exec, so that no process of another uid without privileges (and no
+# other VMM) traces or reads it (ptrace, /proc/<pid>/mem, process_vm_readv). The overflow group
+# grants nothing.
 REAL_GROUP = 65534
 KVM_DEVICE = Path("/dev/kvm")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -51,39 +52,86 @@ V1_CONTROLLERS = ("cpu", "memory", "pids")
 V2_NODE_LEAF = "aenv-node"
 # Present only where the kernel accounts swap per group; without it there is no swap to bound.
 OPTIONAL = frozenset({"memory.swap.max"})
+OWNER_ONLY = 0o600  # a handed file's mode: its VMM reads and writes it, no other VMM opens it
+UID_MAX = 2**31 - 1  # uids past this confuse tools that read them as signed
+
+
+class IdentityError(OSError):
+    """No uid is free for another VMM, or the configured range clashes with the host's users."""
 
 
 @dataclass(frozen=True)
 class RuntimeUser:
-    """The unprivileged identity of every VMM: its uid, its group and any group /dev/kvm needs."""
+    """The unprivileged identity of one VMM: its uid, its group and any group /dev/kvm needs."""
 
     uid: int
     gid: int
     groups: tuple[int, ...] = ()
 
-    @classmethod
-    def ensure(cls, name: str) -> RuntimeUser:
-        """`name`'s identity, the user created first (a system user without home or shell) if missing."""
-        try:
-            entry = pwd.getpwnam(name)
-        except KeyError:
-            command = [
-                "useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
-                "--shell", "/usr/sbin/nologin", "--comment", "aenv VMMs", name,
-            ]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise OSError(f"cannot create the VMM user {name}: {done.stderr.strip()}") from None
-            log.warning("created the system user %s that QEMU processes run as", name)
-            entry = pwd.getpwnam(name)
-        if entry.pw_uid == 0:
-            raise OSError(f"the VMM user {name} is root")
-        kvm = KVM_DEVICE.stat().st_gid if KVM_DEVICE.exists() else None
-        return cls(entry.pw_uid, entry.pw_gid, (kvm,) if kvm not in (None, 0) else ())
-
     def setpriv(self) -> list[str]:
         groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
         return [f"--reuid={self.uid}", f"--rgid={REAL_GROUP}", f"--egid={self.gid}", groups]
+
+
+class VmmIdentities:
+    """The uids VMMs run as, one per running QEMU, from `first` to `first + count - 1`.
+
+    A uid (and the group of the same number) is taken at spawn and given back when that QEMU
+    exits; the next spawn takes the next free one after the last taken, so a uid is reused as
+    late as possible. The range must hold no user of the host (`check_unused`): nothing but
+    these VMMs may run as, or own files as, one of its uids.
+    """
+
+    def __init__(self, first: int, count: int, groups: tuple[int, ...] | None = None):
+        if first <= 0 or count < 1 or first + count - 1 > UID_MAX:
+            raise IdentityError(f"VMM uid range {first}..{first + count - 1} is out of bounds")
+        self.first, self.count = first, count
+        self.groups = kvm_groups() if groups is None else groups
+        self._taken: set[int] = set()
+        self._next = first
+
+    def check_unused(self) -> None:
+        """Refuse a range that holds a user of this host (its files or processes would be exposed)."""
+        last = self.first + self.count - 1
+        clash = [entry.pw_name for entry in pwd.getpwall() if self.first <= entry.pw_uid <= last]
+        if clash:
+            raise IdentityError(
+                f"the VMM uid range {self.first}..{last} holds host users "
+                f"({', '.join(clash[:3])}): choose another vmm_uid_base"
+            )
+
+    def take(self) -> RuntimeUser:
+        for offset in range(self.count):
+            uid = self.first + (self._next - self.first + offset) % self.count
+            if uid not in self._taken:
+                self._taken.add(uid)
+                self._next = self.first + (uid - self.first + 1) % self.count
+                return RuntimeUser(uid, uid, self.groups)
+        raise IdentityError(f"all {self.count} VMM uids are in use")
+
+    def adopt(self, pid: int) -> RuntimeUser | None:
+        """The identity a running QEMU (started by an earlier node process) has, marked taken."""
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            return None
+        uid = int(fields["Uid"].split()[0])
+        if not self.first <= uid < self.first + self.count:
+            return None
+        self._taken.add(uid)
+        return RuntimeUser(uid, int(fields["Gid"].split()[1]), self.groups)
+
+    def give_back(self, user: RuntimeUser) -> None:
+        self._taken.discard(user.uid)
+
+    def in_use(self) -> int:
+        return len(self._taken)
+
+
+def kvm_groups() -> tuple[int, ...]:
+    """The supplementary group that opens /dev/kvm (its group), if there is one but root's."""
+    kvm = KVM_DEVICE.stat().st_gid if KVM_DEVICE.exists() else None
+    return (kvm,) if kvm not in (None, 0) else ()
 
 
 @dataclass(frozen=True)
@@ -200,27 +248,39 @@ class Confinement:
     cgroups: CgroupTree | None = None
     memory_overhead_mib: int = 192
     pids: int = 256
-    user: RuntimeUser | None = None  # None: QEMU stays uid 0 (without capabilities if dropped)
+    identities: VmmIdentities | None = None  # None: QEMU stays uid 0 (without capabilities if dropped)
 
-    def command(self, argv: list[str]) -> list[str]:
-        """QEMU's command line, with its seccomp filter, behind the privilege drop and mount view."""
+    def identity(self) -> RuntimeUser | None:
+        """A uid for a QEMU about to start (give it back with `release` once it exited)."""
+        return self.identities.take() if self.identities is not None else None
+
+    def adopt(self, pid: int) -> RuntimeUser | None:
+        """The uid of a QEMU an earlier node process started (kept from other VMMs until it exits)."""
+        return self.identities.adopt(pid) if self.identities is not None else None
+
+    def command(self, argv: list[str], user: RuntimeUser | None = None) -> list[str]:
+        """QEMU's command line, with its seccomp filter, behind the privilege drop (to `user`) and
+        the mount view."""
         if self.seccomp:
             argv = [*argv, "-sandbox", SECCOMP]
         if self.drop_privileges:
-            identity = self.user.setpriv() if self.user is not None else []
+            identity = user.setpriv() if user is not None else []
             argv = [DROP_PRIVILEGES[0], *identity, *DROP_PRIVILEGES[1:], *argv]
         if self.mount_namespace is not None:
             argv = ["nsenter", f"--mount={self.mount_namespace}", "--", *argv]
         return argv
 
-    def hand_over(self, path: Path) -> None:
-        """Let the VMM user write `path` (a file its QEMU opens for writing by name)."""
-        if self.user is not None:
-            os.chown(path, self.user.uid, self.user.gid)
+    @staticmethod
+    def hand_over(path: Path, user: RuntimeUser | None) -> None:
+        """Let one VMM (`user`) read and write `path` (a file its QEMU opens by name), and no other."""
+        if user is not None:
+            os.chown(path, user.uid, user.gid)
+            os.chmod(path, OWNER_ONLY)
 
-    def reclaim(self, path: Path) -> None:
-        """Take `path` back from the VMM user: no QEMU can write it any more (if it is still there)."""
-        if self.user is not None:
+    @staticmethod
+    def reclaim(path: Path, user: RuntimeUser | None) -> None:
+        """Take `path` back from its VMM: no QEMU can open it any more (if it is still there)."""
+        if user is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.chown(path, os.getuid(), os.getgid())
 
@@ -234,9 +294,16 @@ class Confinement:
             self.cgroups.create(name, self.limits(vcpus, memory_mib))
             self.cgroups.join(name, pid)
 
-    def release(self, pid: int) -> None:
-        """After the QEMU process `pid` exited: delete its group, and any other group left empty by
-        a VM that ended unwatched (one a crashed node left, killed by pid at the next start)."""
+    def give_back(self, user: RuntimeUser | None) -> None:
+        """`user`'s QEMU exited (or never started): its uid is free for another VMM."""
+        if user is not None and self.identities is not None:
+            self.identities.give_back(user)
+
+    def release(self, pid: int, user: RuntimeUser | None) -> None:
+        """After the QEMU process `pid` exited: give its uid back and delete its group, and any
+        other group left empty by a VM that ended unwatched (one a crashed node left, killed by
+        pid at the next start)."""
+        self.give_back(user)
         if self.cgroups is not None:
             self.cgroups.remove(group_name(pid))
             self.cgroups.remove_unused()
@@ -269,7 +336,7 @@ def from_settings(
     memory_overhead_mib: int,
     pids: int,
     mount_namespace: str | None,
-    user: RuntimeUser | None,
+    identities: VmmIdentities | None,
 ) -> Confinement:
     """The node's confinement; without a writable cgroup tree, VMs run without cgroup limits (logged)."""
     tree = CgroupTree.detect() if cgroups else None
@@ -285,5 +352,5 @@ def from_settings(
     limits = {"memory_overhead_mib": memory_overhead_mib, "pids": pids}
     return Confinement(
         seccomp=confine, drop_privileges=confine, mount_namespace=mount_namespace, cgroups=tree,
-        user=user if confine else None, **limits,
+        identities=identities if confine else None, **limits,
     )  # fmt: skip

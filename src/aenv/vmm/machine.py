@@ -163,12 +163,21 @@ class VMError(RuntimeError):
 class QemuProcess:
     """A QEMU process watched through a pidfd; reaped here when this node spawned it.
 
-    Its cgroup (`aenv.vmm.confine`) is deleted when it exits, and the files `handed` to its
-    user are taken back.
+    Its cgroup (`aenv.vmm.confine`) is deleted when it exits, the files `handed` to its `user`
+    are taken back, and that uid is free for another VMM.
     """
 
-    def __init__(self, pid: int, *, child: bool, confinement: confine.Confinement, handed: list[Path]):
+    def __init__(
+        self,
+        pid: int,
+        *,
+        child: bool,
+        confinement: confine.Confinement,
+        user: confine.RuntimeUser | None,
+        handed: list[Path],
+    ):
         self.pid = pid
+        self.user = user
         self.handed = handed
         self.returncode: int | None = None
         self._child = child
@@ -186,9 +195,9 @@ class QemuProcess:
                 _, status = os.waitpid(self.pid, 0)
                 code = os.waitstatus_to_exitcode(status)
         os.close(self._pidfd)
-        self._confinement.release(self.pid)
         for path in self.handed:
-            self._confinement.reclaim(path)
+            self._confinement.reclaim(path, self.user)
+        self._confinement.release(self.pid, self.user)
         self.returncode = code
         self._exited.set_result(code)
 
@@ -299,20 +308,22 @@ class VirtualMachine:
         confinement = confine.current()
         handed = config.written_files()
         started = time.monotonic()
+        user = confinement.identity()
         try:
             shared = config.memory_path if config.memory_mode is MemoryMode.SHARED_FILE else None
             if shared is not None:
                 shared.touch()  # QEMU sizes it; the node owns the name
             for path in handed:
-                confinement.hand_over(path)
-            pid = _spawn(confinement.command(argv), workdir, theirs.fileno(), tap_fd, shared)
+                confinement.hand_over(path, user)
+            pid = _spawn(confinement.command(argv, user), workdir, theirs.fileno(), tap_fd, shared)
         except BaseException:
             for path in handed:
-                confinement.reclaim(path)
+                confinement.reclaim(path, user)
+            confinement.give_back(user)
             raise
         finally:
             theirs.close()
-        process = QemuProcess(pid, child=True, confinement=confinement, handed=handed)
+        process = QemuProcess(pid, child=True, confinement=confinement, user=user, handed=handed)
         qmp = QMPClient(f"vm-{process.pid}")
         try:
             # Before QEMU's monitor answers, so before the guest runs or its RAM is filled.
@@ -330,7 +341,10 @@ class VirtualMachine:
     @classmethod
     async def adopt(cls, config: MachineConfig, workdir: Path, pid: int) -> VirtualMachine:
         """Take over a QEMU that a previous node process started, through its recovery monitor."""
-        process = QemuProcess(pid, child=False, confinement=confine.current(), handed=config.written_files())
+        confinement = confine.current()
+        handed = config.written_files()
+        user = confinement.adopt(pid)
+        process = QemuProcess(pid, child=False, confinement=confinement, user=user, handed=handed)
         qmp = QMPClient(f"vm-{pid}")
         try:
             with socket_path(workdir, RECOVERY_SOCKET) as path:

@@ -8,7 +8,8 @@ here is one step the snapshot engine and the benchmark floors compose:
 
 - `save`: a template's full stream (without RAM) and its device sections alone, the VM stopped;
 - `capture_devices`: a stopped sandbox's device sections (pause, snapshot);
-- `seal_disk`: the top of a running disk chain frozen under a new writable layer (snapshot);
+- `seal_disk`: the top of a running disk chain frozen under a new writable layer (snapshot),
+  and `unseal_disk`, its undo (a snapshot that failed): the new layer committed back into it;
 - `prepare_incoming` + `load`: a QEMU started with `-incoming defer` fed a spliced stream until
   its guest runs (start, resume, warm VMs).
 
@@ -131,15 +132,15 @@ async def seal_disk(vm: VirtualMachine, node: str, new_file: Path, new_node: str
 
     The old top is never written again, so a snapshot of the disk costs no copy; the new layer
     records the old one's absolute path as its backing file. The node creates it and hands it
-    to QEMU's user, and takes the old top back, so no QEMU can write a sealed layer.
+    to that QEMU's uid, and takes the old top back, so no QEMU can write a sealed layer.
     """
     nodes = await vm.command("query-named-block-nodes", flat=True)
     top = next(info for info in nodes if info.get("node-name") == node)
     old_file = Path(top["file"])
     await create_upper_layer(old_file, new_file, size=top["image"]["virtual-size"])
-    confinement = confine.current()
+    confinement, user = confine.current(), vm.process.user
     try:
-        confinement.hand_over(new_file)
+        confinement.hand_over(new_file, user)
         await vm.command(
             "blockdev-snapshot-sync",
             **{
@@ -154,4 +155,57 @@ async def seal_disk(vm: VirtualMachine, node: str, new_file: Path, new_node: str
         new_file.unlink(missing_ok=True)
         raise
     vm.process.handed = [*(path for path in vm.process.handed if path != old_file), new_file]
-    confinement.reclaim(old_file)
+    confinement.reclaim(old_file, user)
+
+
+JOB_POLL = 0.05  # seconds between looks at a block job (a rollback's commit is short)
+
+
+async def unseal_disk(vm: VirtualMachine, node: str, base_file: Path) -> tuple[str, Path]:
+    """Undo `seal_disk`: commit the writable top (`node`) into the layer below it (at
+    `base_file`), which becomes the writable top again; returns that layer's node name and the
+    old top's file, now unused.
+
+    What the guest wrote since the seal moves down (an active `block-commit`, completed with a
+    pivot); the chain reads the same at every moment, so a commit interrupted by the VM's end
+    leaves both layers consistent. QEMU reopens the base for writing by name: it is handed back
+    to QEMU's user first.
+    """
+    nodes = await vm.command("query-named-block-nodes", flat=True)
+    top = next(info for info in nodes if info.get("node-name") == node)
+    top_file, backing = Path(top["file"]), top["image"].get("full-backing-filename")
+    if backing is None or Path(backing).name != base_file.name:
+        raise VMError(f"disk layer {base_file.name} is not right below {top_file.name}")
+    base = next(i["node-name"] for i in nodes if i.get("drv") == "qcow2" and i.get("file") == backing)
+    confinement, user = confine.current(), vm.process.user
+    confinement.hand_over(base_file, user)
+    job = f"unseal-{node}"
+    try:
+        commit = {"job-id": job, "device": node, "top-node": node, "base-node": base}
+        await vm.command("block-commit", **commit)
+        await _job_reached(vm, job, ready=True)
+        await vm.command("job-complete", id=job)
+        await _job_reached(vm, job, ready=False)
+        nodes = await vm.command("query-named-block-nodes", flat=True)
+        if any(info.get("node-name") == node for info in nodes):
+            raise VMError(f"committing disk layer {top_file.name} down did not complete")
+    except BaseException:
+        confinement.reclaim(base_file, user)
+        raise
+    vm.process.handed = [*(path for path in vm.process.handed if path != top_file), base_file]
+    confinement.reclaim(top_file, user)
+    return base, top_file
+
+
+async def _job_reached(vm: VirtualMachine, job: str, *, ready: bool) -> None:
+    """Wait until the block job is ready to complete (`ready`) or gone; an error if it failed."""
+    while True:
+        jobs = {info["device"]: info for info in await vm.command("query-block-jobs")}
+        info = jobs.get(job)
+        if info is None and ready:
+            raise VMError(f"block job {job} ended before it was ready")
+        if info is not None and info.get("error"):
+            raise VMError(f"block job {job} failed: {info['error']}")
+        if (info is None) if not ready else info.get("ready"):
+            return
+        await asyncio.sleep(JOB_POLL)
