@@ -68,7 +68,7 @@ def make_node(s3_server: S3Server, tmp_path: Path):
 
     yield make
     for storage in nodes:
-        storage.heartbeat.stop()
+        storage.close()
 
 
 def sealed_chain(layers: LayerStore, tmp_path: Path) -> list[str]:

@@ -69,7 +69,7 @@ def two_nodes(s3_server: S3Server, bucket: str, guest_artifacts, node_loop: Node
         manager.close()
         with contextlib.suppress(Exception):
             node_loop.run(engine.close())
-        storage.heartbeat.stop()
+        storage.close()
 
 
 @pytest.fixture(scope="module")

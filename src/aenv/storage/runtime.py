@@ -13,6 +13,16 @@ materialized as its own cache entry, keyed by its whole chain below, and pointed
 materialized layer under it with ``qemu-img rebase -u`` (a header-only change). A snapshot taken
 on one node thus starts on any node sharing the repository.
 
+With a `LazyMount` (`aenv.storage.lazyfs`), a memory image that has a chunk index in the
+repository and is not in the cache is not downloaded before the start: it becomes a partial
+cache entry that QEMU maps through the node's FUSE server, which fetches what the guest
+touches. Before QEMU starts, the chunks a restore from the image read (its profile, recorded in
+the repository by the first node that restored from it, after that guest answered) are fetched
+in a few parallel ranged reads, so a cold start costs a small, bounded number of round trips.
+Once an image is partial on a node it stays served through the mount until it is evicted, so
+every sandbox from it maps the same file (one page-cache copy) and finds its mapping by that
+path. If the server is gone, the image is fetched whole instead.
+
 Both make one file per snapshot here: its restorable stream, spliced once from its vmstate
 prefix and device state and kept under the node's `runtime/` directory until the snapshot is gone.
 """
@@ -21,18 +31,27 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..snapshot import devstate
 from ..snapshot.manifest import DIGEST_RE, MachineShape, SnapshotManifest
 from ..snapshot.repository import SnapshotRepository
 from ..vmm.launcher import BootFiles
 from .cache import BlobCache, CacheStats
+from .chunks import ChunkFile, ChunkIndex, held_chunks
 from .layers import LayerError, LayerStore
 from .protocols import Repository
+
+if TYPE_CHECKING:
+    from .lazyfs import LazyMount
+
+log = logging.getLogger(__name__)
 
 STREAM_SUFFIX = ".vmstate"
 
@@ -83,6 +102,9 @@ class LocalRuntime:
     def prepare(self, manifest: SnapshotManifest) -> None:
         """Nothing to fetch: the repository's files are used in place."""
 
+    def restored(self, manifest: SnapshotManifest) -> None:
+        """Nothing to learn: the repository's files are all here."""
+
     def top_layer(self, manifest: SnapshotManifest) -> Path:
         return self._layers.path(manifest.disk_layers[-1])
 
@@ -109,10 +131,84 @@ class LocalRuntime:
 class CachedRuntime(LocalRuntime):
     """Resolves snapshots of a remote repository through the node's runtime cache."""
 
-    def __init__(self, repository: Repository, layers: LayerStore, runtime_dir: Path, cache: BlobCache):
+    def __init__(
+        self, repository: Repository, layers: LayerStore, runtime_dir: Path, cache: BlobCache,
+        lazy: LazyMount | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(repository, layers, runtime_dir)  # type: ignore[arg-type]
         self._remote = repository
         self.cache = cache
+        self.lazy = lazy
+        self._unprofiled: dict[str, ChunkIndex] = {}  # images started on demand with no profile yet
+        self._profiles_lock = threading.Lock()
+        if lazy is not None:
+            cache.on_evict = lazy.withdraw
+
+    def memory_image(self, manifest: SnapshotManifest) -> Path:
+        return self._memory(manifest.memory_image, manifest.id)
+
+    def _memory(self, digest: str, owner: str) -> Path:
+        """The image in the cache if it is whole there, else loaded on demand if it can be."""
+        key = digest.removeprefix("sha256:")
+        lazy = self.lazy
+        if lazy is None or not (self.cache.is_partial(key) or self._start_partial(digest, owner)):
+            return self._blob(digest, owner)
+        if not lazy.alive():  # its server is gone: new VMs map a whole copy instead
+            return self._blob(digest, owner)
+        self.cache.get_partial(key, 0, owner)  # a hit: touch it and record the owner
+        return lazy.path(key)
+
+    def _start_partial(self, digest: str, owner: str) -> bool:
+        """Make a missing image a partial entry served on demand, its restore profile prefetched.
+
+        False if it cannot be (no chunk index, or the FUSE server cannot run): fetch it whole.
+        """
+        assert self.lazy is not None
+        key = digest.removeprefix("sha256:")
+        if self.cache.path(key).exists() and not self.cache.is_partial(key):
+            return False  # whole in the cache already
+        reader = self.lazy.reader
+        index = reader.chunk_index(digest)
+        if index is None:
+            return False
+        try:
+            self.lazy.ensure()
+        except OSError:
+            log.warning("lazy loading is unavailable, fetching memory images whole", exc_info=True)
+            return False
+        path, existed = self.cache.get_partial(key, index.size, owner)
+        if existed and not self.cache.is_partial(key):
+            return False  # filled whole by another thread meanwhile
+        self.lazy.publish(key, index)
+        profile = reader.profile(digest)
+        if profile is None:
+            with self._profiles_lock:
+                self._unprofiled.setdefault(key, index)
+        else:
+            chunks = ChunkFile(path, index, lambda offset, length: reader.read_range(digest, offset, length))
+            chunks.prefetch(i for i in profile if 0 <= i < len(index.digests))
+        return True
+
+    def restored(self, manifest: SnapshotManifest) -> None:
+        """A guest restored from the snapshot answers: what its image's copy holds now is what a
+        restore reads. Recorded in the background for the nodes that start from it later."""
+        key = manifest.memory_image.removeprefix("sha256:")
+        with self._profiles_lock:
+            index = self._unprofiled.pop(key, None)
+        if index is None or self.lazy is None:
+            return
+        reader = self.lazy.reader
+
+        def record() -> None:
+            chunks = held_chunks(self.cache.path(key), index)
+            try:
+                reader.record_profile(manifest.memory_image, chunks)
+            except Exception:  # a later cold start records it
+                log.warning("could not record the restore profile of %s", key, exc_info=True)
+                with self._profiles_lock:
+                    self._unprofiled.setdefault(key, index)
+
+        threading.Thread(target=record, name="aenv-restore-profile", daemon=True).start()
 
     def _blob(self, digest: str, owner: str | None = None) -> Path:
         def fetch(dest: Path) -> None:
@@ -126,7 +222,8 @@ class CachedRuntime(LocalRuntime):
     def prepare(self, manifest: SnapshotManifest) -> None:
         """Fetch every blob the snapshot needs and materialize its disk chain, all pinned by it."""
         self.boot_files(manifest.machine, manifest.id)
-        for digest in (manifest.memory_image, *manifest.memory_deltas, manifest.device_state):
+        self._memory(manifest.memory_image, manifest.id)
+        for digest in (*manifest.memory_deltas, manifest.device_state):
             self._blob(digest, manifest.id)
         self.template_stream(manifest)
         self.top_layer(manifest)
