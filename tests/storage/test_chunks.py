@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from aenv.storage import cache as cache_mod
 from aenv.storage.cache import BlobCache
 from aenv.storage.chunks import ChunkFile, ChunkIndex, ChunkMismatch, held_chunks, runs
 from aenv.storage.lazyfs import LazyMount
@@ -86,15 +85,10 @@ def test_a_corrupt_chunk_is_an_error_never_data(tmp_path: Path):
     assert held_chunks(tmp_path / "copy", index) == [0]  # nothing of the bad chunk was written
 
 
-@pytest.fixture(autouse=False)
-def no_recent_protection(monkeypatch):
-    monkeypatch.setattr(cache_mod, "RECENT_SECONDS", -1.0)
-
-
-def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path, no_recent_protection):
+def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path):
     leased = {"snap-a"}
     evicted: list[str] = []
-    cache = BlobCache(tmp_path / "cache", 3 * C, lambda: leased)
+    cache = BlobCache(tmp_path / "cache", 3 * C, lambda: leased, recent_seconds=-1)
     cache.on_evict = evicted.append
     path, existed = cache.get_partial("img", 16 * C, "snap-a")
     assert not existed and cache.is_partial("img") and path.stat().st_size == 16 * C
@@ -107,10 +101,10 @@ def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path, no_recen
     assert stats.used_bytes >= 4 * C and stats.fetched_bytes >= 4 * C and stats.misses == 1
     cache.get("small", lambda dest: dest.write_bytes(b"s" * C), "snap-b")  # over capacity now
     assert cache.keys() == ["img", "small"] and evicted == []  # the leased partial entry stays
-    assert BlobCache(tmp_path / "cache", 3 * C, lambda: leased).is_partial("img")  # kept by a restart
+    assert BlobCache(tmp_path / "cache", 3 * C, lambda: leased, recent_seconds=-1).is_partial("img")  # kept by a restart
     leased.clear()
     cache.get("other", lambda dest: dest.write_bytes(b"o" * C))
-    assert evicted == ["img"] and "img" not in cache.keys() and not path.exists()
+    assert evicted == ["img"] and "img" not in list(cache.keys()) and not path.exists()
     # A partial entry asked for whole is filled whole and stops being partial.
     cache.get_partial("img", 16 * C)
     cache.get("img", lambda dest: dest.write_bytes(b"w" * C))

@@ -66,9 +66,12 @@ class BlobCache:
     are never evicted.
     """
 
-    def __init__(self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]]):
+    def __init__(
+        self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]], recent_seconds: float | None = None
+    ) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
+        self.recent_seconds = RECENT_SECONDS if recent_seconds is None else recent_seconds
         self._in_use = in_use
         root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -203,7 +206,7 @@ class BlobCache:
 
     def _pinned_keys(self) -> set[str]:
         leased = self._in_use()
-        recent = time.time() - RECENT_SECONDS
+        recent = time.time() - self.recent_seconds
         return {k for k, e in self._entries.items() if e.owners & leased or e.used > recent}
 
     def _evict(self, keep: str) -> None:

@@ -1,25 +1,28 @@
-"""On-demand loading: memory images of a remote repository as files that fill as QEMU reads them.
+"""On-demand loading: a snapshot's large blobs as files that fill as QEMU reads them.
 
 A node that starts a sandbox from a snapshot whose memory image is not in its runtime cache
 does not wait for the image: QEMU maps a file of this node's FUSE filesystem instead
 (``<home>/runtime/lazy/<hex>``), and each page the guest touches that the kernel does not hold
 yet becomes a read of this filesystem, served from the cache's sparse copy of the blob and, for
 chunks it lacks, from ranged reads of the repository, verified chunk by chunk
-(`aenv.storage.chunks`). Prefetch makes the usual case cheap: device state and the restorable
-stream are small blobs fetched whole before QEMU starts, and the chunks a restore from the image
-read are recorded once (by the first node that restores from it, ``profiles/<hex>`` in the
+(`aenv.storage.chunks`). The kernel, initramfs, tools image and the bottom disk layer are
+served the same way. Prefetch makes the usual case cheap: device state and the restorable
+stream are small blobs fetched whole before QEMU starts, and the chunks a restore read are
+recorded once per blob (by the first node that restores from it, ``profiles/<hex>`` in the
 repository) and fetched in a few parallel ranged reads before QEMU starts on every later cold
 node (`aenv.storage.runtime.CachedRuntime`).
 
 Decisions, and why:
 
-- FUSE, for memory only. QEMU maps a memory image with ``memory-backend-file`` (a private,
-  copy-on-write mapping), which works the same under TCG and KVM, and a FUSE file has one page
-  cache per node that every clone's mapping shares, as a local file does; the server drops its
-  own copy of what it served (``POSIX_FADV_DONTNEED``). ``userfaultfd`` cannot serve a private
-  file mapping. Disk layers stay fetched whole: a qcow2 layer records its backing file by path,
-  which each node rewrites in the header (``qemu-img rebase -u``), so a layer is not served
-  byte-for-byte from its blob; they are a small part of a snapshot's bytes next to its memory.
+- FUSE, for files read as stored. QEMU maps a memory image with ``memory-backend-file`` (a
+  private, copy-on-write mapping), which works the same under TCG and KVM, and a FUSE file has
+  one page cache per node that every clone's mapping shares, as a local file does; the server
+  drops its own copy of what it served (``POSIX_FADV_DONTNEED``). ``userfaultfd`` cannot serve
+  a private file mapping, and this kernel has no NBD or ublk. A qcow2 layer above the bottom
+  records its backing file by path, which each node rewrites in the header (``qemu-img rebase
+  -u``), so it is not its blob's bytes: upper layers (small) are fetched whole; the bottom one
+  (the template's root filesystem, most of a chain's bytes) names no backing file and is served
+  on demand.
 - The server is its own process (``python -m aenv.storage.lazyfs``) in a session of its own,
   like QEMU, so it outlives the node: QEMU processes survive node restarts and a QEMU whose
   memory file stops answering gets SIGBUS. A restarted node re-attaches to the running server
