@@ -101,7 +101,8 @@ def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path):
     assert stats.used_bytes >= 4 * C and stats.fetched_bytes >= 4 * C and stats.misses == 1
     cache.get("small", lambda dest: dest.write_bytes(b"s" * C), "snap-b")  # over capacity now
     assert cache.keys() == ["img", "small"] and evicted == []  # the leased partial entry stays
-    assert BlobCache(tmp_path / "cache", 3 * C, lambda: leased, recent_seconds=-1).is_partial("img")  # kept by a restart
+    restarted = BlobCache(tmp_path / "cache", 3 * C, lambda: leased, recent_seconds=-1)
+    assert restarted.is_partial("img")  # kept across a restart
     leased.clear()
     cache.get("other", lambda dest: dest.write_bytes(b"o" * C))
     assert evicted == ["img"] and "img" not in list(cache.keys()) and not path.exists()

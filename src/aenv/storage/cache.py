@@ -67,8 +67,9 @@ class BlobCache:
     """
 
     def __init__(
-        self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]], recent_seconds: float | None = None
-    ) -> None:
+        self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]],
+        recent_seconds: float | None = None,
+    ) -> None:  # fmt: skip
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.recent_seconds = RECENT_SECONDS if recent_seconds is None else recent_seconds
