@@ -126,7 +126,9 @@ class LazyMount:
         (self.index_dir / f"{key}.json").unlink(missing_ok=True)
 
     def alive(self) -> bool:
-        return server_pid(self.state) is not None and _answers(self.mountpoint)
+        """Whether the server runs and its mount is there (not asked through the mount: a server
+        busy fetching must not hold up the node)."""
+        return server_pid(self.state) is not None and _mounted(self.mountpoint)
 
     def ensure(self) -> None:
         """Attach to the running server, or start one (a dead one's mount is detached first)."""

@@ -161,15 +161,19 @@ class CachedRuntime(LocalRuntime):
         return self.cache.get(digest.removeprefix("sha256:"), fetch, owner)
 
     def _mapped(self, digest: str, owner: str | None = None) -> Path:
-        return (self._on_demand(digest, owner) if owner else None) or self._blob(digest, owner)
+        return self._on_demand(digest, owner) or self._blob(digest, owner)
 
-    def _on_demand(self, digest: str, owner: str, check: HeaderCheck | None = None) -> Path | None:
-        """The blob's file on the FUSE mount if it is (or can become) a partial entry."""
+    def _on_demand(self, digest: str, owner: str | None, check: HeaderCheck | None = None) -> Path | None:
+        """The blob's file on the FUSE mount if it is a partial entry, or can become one (only
+        for a snapshot's start: `owner`)."""
         lazy = self.lazy
         key = digest.removeprefix("sha256:")
-        if lazy is None or not (self.cache.is_partial(key) or self._start_partial(digest, owner, check)):
+        if lazy is None:
             return None
-        if not lazy.alive():  # its server is gone: new VMs read a whole copy instead
+        partial = self.cache.is_partial(key)
+        if not partial and owner is not None:
+            partial = self._start_partial(digest, owner, check)
+        if not partial or not lazy.alive():  # a server gone: new VMs read a whole copy instead
             return None
         self.cache.get_partial(key, 0, owner)  # a hit: touch it and record the owner
         return lazy.path(key)
@@ -196,10 +200,10 @@ class CachedRuntime(LocalRuntime):
         path, existed = self.cache.get_partial(key, index.size, owner)
         if existed and not self.cache.is_partial(key):
             return False  # filled whole by another thread meanwhile
+        self.lazy.publish(key, index)  # first: a concurrent start may hand the file to QEMU now
         chunks = ChunkFile(path, index, lambda offset, length: reader.read_range(digest, offset, length))
         profile = reader.profile(digest)
         chunks.prefetch({0, *(i for i in profile or () if 0 <= i < len(index.digests))})
-        self.lazy.publish(key, index)
         if profile is None:
             with self._profiles_lock:
                 self._unprofiled.setdefault(owner, []).append((digest, index))
@@ -246,6 +250,7 @@ class CachedRuntime(LocalRuntime):
                 below = self._layers.path(layer)
             elif below is None and (bottom := self._on_demand(layer, manifest.id, _no_backing)) is not None:
                 below = bottom  # a bottom layer names no backing file: its blob is the file
+                chain.update(b"on demand\n")  # the layers above name this path as their backing
             else:
                 below = self.cache.get(
                     f"layer-{chain.hexdigest()[:40]}.qcow2", self._layer_filler(layer, below), manifest.id
