@@ -144,16 +144,17 @@ def dev_nodes(s3_server: S3Server, bucket: str, shared_template, tmp_path_factor
             node.cleanup()
 
 
-def partial_images(node: DevNode) -> dict[str, Path]:
-    """The memory images the node's runtime cache holds in part (loaded on demand), by digest hex."""
+def partial_entries(node: DevNode) -> set[str]:
+    """The keys of what the node's runtime cache holds in part (blobs loaded on demand)."""
     entries = json.loads((node.home / "cache" / "index.json").read_text())
-    return {key: node.home / "cache" / key for key, entry in entries.items() if entry.get("lazy")}
+    return {key for key, entry in entries.items() if entry.get("lazy")}
 
 
-def test_snapshot_on_node_a_creates_on_node_b_loading_on_demand(dev_nodes: list[DevNode]):
+def test_snapshot_on_node_a_creates_on_node_b_loading_on_demand(dev_nodes: list[DevNode], two_nodes):
     from e2b import Sandbox
 
     a, b = dev_nodes
+    repository = two_nodes[0][0].repository  # the bucket, read as the engines' node A
     source = Sandbox.create("base", timeout=300, api_key=a.key, api_url=a.url, sandbox_url=a.url)
     source.files.write("/root/made-on-a.txt", "written on node A before the snapshot", user="root")
     source.commands.run("sleep 100000 & echo $! > /root/sleeper.pid", user="root")
@@ -167,8 +168,9 @@ def test_snapshot_on_node_a_creates_on_node_b_loading_on_demand(dev_nodes: list[
     wait_for(lambda: httpx.get(detail, headers={"X-API-Key": b.key}).status_code == 200, timeout=120)
 
     copy = Sandbox.create(snapshot_id, timeout=300, api_key=b.key, api_url=b.url, sandbox_url=b.url)
-    [(key, image)] = partial_images(b).items()
-    fetched = image.stat().st_blocks * 512  # what B held of the image when its guest answered
+    key = repository.get(snapshot_id).memory_image.removeprefix("sha256:")
+    assert key in partial_entries(b)
+    fetched = (b.home / "cache" / key).stat().st_blocks * 512  # held of the image when the guest answered
     index = ChunkIndex.from_json((b.home / "lazy" / "index" / f"{key}.json").read_bytes())
     stored = len(index.data_chunks()) * index.chunk_size  # the image's bytes that are not zeros
     assert 0 < fetched < stored, (fetched, stored)
