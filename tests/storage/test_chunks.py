@@ -56,6 +56,7 @@ def test_reads_fetch_only_the_chunks_they_touch_verified(tmp_path: Path):
     data = blob_file(tmp_path / "b", {1: 7, 2: 8, 5: 9}, count=8)
     index = ChunkIndex.build(tmp_path / "b", chunk_size=C)
     remote = Remote(data)
+    (tmp_path / "copy").touch()  # made by its cache
     copy = ChunkFile(tmp_path / "copy", index, remote)
     assert copy.read(C + 10, 2 * C) == data[C + 10 : 3 * C + 10]  # chunks 1-3: 1 and 2 fetched
     assert remote.reads == [(C, 2 * C)]  # one ranged read for the run, the zero chunk 3 never
@@ -71,6 +72,9 @@ def test_reads_fetch_only_the_chunks_they_touch_verified(tmp_path: Path):
     assert remote.reads[1:] == [(2 * C, C)]
     again.prefetch([5])
     assert remote.reads[2:] == [(5 * C, C)] and again.read(5 * C, C) == data[5 * C : 6 * C]
+    # Once its cache dropped the copy, reads are still served (verified) but nothing is kept.
+    (tmp_path / "copy").unlink()
+    assert again.read(C, 10) == data[C : C + 10] and not (tmp_path / "copy").exists()
 
 
 def test_a_corrupt_chunk_is_an_error_never_data(tmp_path: Path):
@@ -78,11 +82,15 @@ def test_a_corrupt_chunk_is_an_error_never_data(tmp_path: Path):
     index = ChunkIndex.build(tmp_path / "b", chunk_size=C)
     remote = Remote(data)
     remote.data[C + 3] ^= 0xFF
+    (tmp_path / "copy").touch()
     copy = ChunkFile(tmp_path / "copy", index, remote)
     assert copy.read(0, 10) == data[:10]
     with pytest.raises(ChunkMismatch, match="chunk 1"):
         copy.read(C, 10)
     assert held_chunks(tmp_path / "copy", index) == [0]  # nothing of the bad chunk was written
+    (tmp_path / "copy").unlink()
+    with pytest.raises(ChunkMismatch, match="chunk 1"):
+        copy.read(C, 10)
 
 
 def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path):
@@ -134,9 +142,10 @@ def test_the_fuse_server_serves_a_stored_blob_as_a_mapping_reads_it(s3_server: S
     mount = LazyMount.for_home(tmp_path / "home", tmp_path / "home" / "cache", location)
     index = mount.reader.chunk_index(digest)
     assert index is not None and index.data_chunks() == [0, 3, 4, 20]
-    (tmp_path / "home" / "cache").mkdir(parents=True)
+    cache = BlobCache(tmp_path / "home" / "cache", 1 << 30, set)
     mount.ensure()
     try:
+        cache.get_partial(key, index.size, "snap")
         mount.publish(key, index)
         expected = image.read_bytes()
         fd = os.open(mount.path(key), os.O_RDONLY)
@@ -160,6 +169,7 @@ def test_the_fuse_server_serves_a_stored_blob_as_a_mapping_reads_it(s3_server: S
         other.write_bytes(os.urandom(size))
         bad = repository.put_blob(other)
         bad_key = bad.removeprefix("sha256:")
+        cache.get_partial(bad_key, size, "snap")
         mount.publish(bad_key, mount.reader.chunk_index(bad))
         s3_server.client().put_object(
             Bucket=location.bucket, Key=mount.reader.key("blobs", bad), Body=b"\0" + other.read_bytes()[1:]

@@ -18,11 +18,12 @@ check, so no separate record of which chunks are present is needed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,11 @@ def runs(chunks: Iterable[int], max_run: int = MAX_RUN) -> list[tuple[int, int]]
     return found
 
 
+@functools.cache
+def _zero_digest(length: int) -> str:
+    return hashlib.sha256(bytes(length)).hexdigest()
+
+
 def held_chunks(path: Path, index: ChunkIndex) -> list[int]:
     """Data chunks a local copy holds something of (what its readers fetched so far)."""
     with contextlib.suppress(FileNotFoundError), open(path, "rb", buffering=0) as f:
@@ -119,8 +125,10 @@ def held_chunks(path: Path, index: ChunkIndex) -> list[int]:
 class ChunkFile:
     """A blob's sparse local copy at `path`, filled from `fetch` chunk by chunk, verified.
 
-    Safe for threads; the file may be removed under it (an evicted cache entry): the next use
-    starts a new one. Reads never go past the blob's size.
+    Safe for threads. The copy is made by its cache (`BlobCache.get_partial`), never here: once
+    the cache dropped it (an evicted entry), reads are served from verified fetches without
+    keeping them, so no file the cache does not know about ever appears. Reads never go past the
+    blob's size.
     """
 
     def __init__(self, path: Path, index: ChunkIndex, fetch: Fetch):
@@ -138,25 +146,54 @@ class ChunkFile:
         end = min(offset + length, self.index.size)
         if end <= offset:
             return b""
-        with self._open() as fd:
+        fd = self._open()
+        if fd is None:
+            return self._uncached(offset, end)
+        try:
             self._ensure(fd, self.index.chunks_of(offset, length))
             data = os.pread(fd, end - offset, offset)
             # The reader (the FUSE file's page cache) keeps these pages: one copy per node.
             os.posix_fadvise(fd, offset, end - offset, os.POSIX_FADV_DONTNEED)
             return data
+        finally:
+            os.close(fd)
 
     def prefetch(self, chunks: Iterable[int], parallel: int = PARALLEL_RUNS) -> None:
         """Make `chunks` local, the missing ones fetched in runs, `parallel` runs at a time."""
-        with self._open() as fd:
+        fd = self._open()
+        if fd is None:
+            return  # dropped by its cache: nothing to keep the chunks in
+        try:
             missing = [i for i in chunks if not self._present(fd, i)]
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 list(pool.map(lambda run: self._fetch_run(fd, *run), runs(missing)))
+        finally:
+            os.close(fd)
 
     # ---- internals -----------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _open(self) -> Iterator[int]:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o444)
+    def _uncached(self, offset: int, end: int) -> bytes:
+        """Bytes offset..end fetched and verified, for a copy its cache has dropped."""
+        first, last = offset // self.index.chunk_size, (end - 1) // self.index.chunk_size
+        start = first * self.index.chunk_size
+        data = self._fetch(start, min((last + 1) * self.index.chunk_size, self.index.size) - start)
+        for i in range(first, last + 1):
+            chunk_start, length = self.index.span(i)
+            self._check(i, data[chunk_start - start : chunk_start - start + length])
+        return data[offset - start : end - start]
+
+    def _check(self, i: int, chunk: bytes) -> None:
+        expected = self.index.digests[i]
+        if hashlib.sha256(chunk).hexdigest() != (expected or _zero_digest(len(chunk))):
+            offset, length = self.index.span(i)
+            raise ChunkMismatch(f"chunk {i} (bytes {offset}..{offset + length}) is corrupt")
+
+    def _open(self) -> int | None:
+        """The copy, open for reading and writing; None once its cache has dropped it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
         try:
             st = os.fstat(fd)
             with self._lock:
@@ -164,9 +201,10 @@ class ChunkFile:
                     self._inode, self._verified = st.st_ino, set()
             if st.st_size != self.index.size:
                 os.ftruncate(fd, self.index.size)
-            yield fd
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def _ensure(self, fd: int, chunks: range) -> None:
         missing = [i for i in chunks if not self._present(fd, i)]
@@ -202,8 +240,7 @@ class ChunkFile:
             for i in todo:
                 offset, length = self.index.span(i)
                 chunk = data[offset - start : offset - start + length]
-                if hashlib.sha256(chunk).hexdigest() != self.index.digests[i]:
-                    raise ChunkMismatch(f"chunk {i} (bytes {offset}..{offset + length}) is corrupt")
+                self._check(i, chunk)
                 os.pwrite(fd, chunk, offset)
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
             with self._lock:
