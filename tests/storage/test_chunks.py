@@ -7,13 +7,15 @@ import errno
 import hashlib
 import mmap
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from aenv.storage.cache import BlobCache
 from aenv.storage.chunks import ChunkFile, ChunkIndex, ChunkMismatch, held_chunks, runs
-from aenv.storage.lazyfs import LazyMount
+from aenv.storage.lazyfs import LazyMount, server_pid
+from tests.conftest import wait_for
 
 from .seaweed import S3Server
 
@@ -160,6 +162,16 @@ def test_the_fuse_server_serves_a_stored_blob_as_a_mapping_reads_it(s3_server: S
             mapped.close()
         finally:
             os.close(fd)
+        assert mount.path(key).read_bytes() == expected
+        # A restarted node attaches to the running server; one whose server died mounts anew.
+        pid = server_pid(mount.state)
+        again = LazyMount.for_home(tmp_path / "home", tmp_path / "home" / "cache", location)
+        again.ensure()
+        assert server_pid(again.state) == pid
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: server_pid(again.state) is None, timeout=10)
+        again.ensure()
+        assert server_pid(again.state) not in (None, pid)
         assert mount.path(key).read_bytes() == expected
         mount.reader.record_profile(digest, [3, 4])
         mount.reader.record_profile(digest, [0])  # the first record stays

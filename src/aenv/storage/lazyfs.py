@@ -135,11 +135,11 @@ class LazyMount:
         with self._lock:
             if self.alive():
                 return
-            self.index_dir.mkdir(parents=True, exist_ok=True)
-            self.mountpoint.mkdir(parents=True, exist_ok=True)
-            if _mounted(self.mountpoint):
+            if _mounted(self.mountpoint):  # first: a dead mount answers nothing, not even stat
                 log.warning("the lazy-loading server of %s is gone: mounting it again", self.mountpoint)
                 _unmount(self.mountpoint)
+            self.index_dir.mkdir(parents=True, exist_ok=True)
+            self.mountpoint.mkdir(parents=True, exist_ok=True)
             self._start()
 
     def stop(self) -> None:
@@ -198,7 +198,8 @@ def stop_server(state: Path, mountpoint: Path) -> None:
 
 
 def _unmount(mountpoint: Path) -> None:
-    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
+    """Detach the mount now (lazily: a process still reading keeps its files until it is done)."""
+    subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
 
 
 # ---- the server process --------------------------------------------------------------------------
