@@ -26,8 +26,9 @@ Decisions, and why:
 - The server is its own process (``python -m aenv.storage.lazyfs``) in a session of its own,
   like QEMU, so it outlives the node: QEMU processes survive node restarts and a QEMU whose
   memory file stops answering gets SIGBUS. A restarted node re-attaches to the running server
-  (its pid file and mount); only a node whose server is gone starts a new one. Nothing stops it
-  but `stop_server` (tests, uninstall): with no VM reading, it only holds a mount.
+  (its pid file and mount); only a node whose server is gone starts a new one, so a server keeps
+  the repository location and credentials it was started with until it is stopped. Nothing stops
+  it but `stop_server` (tests, uninstall): with no VM reading, it only holds a mount.
 - The mount sits under ``<home>/runtime``, which VMMs see through their own root
   (`aenv.vmm.mountview`): the node mounts it before that root is built, so it is part of it;
   ``allow_other`` lets the unprivileged VMM user read it.
