@@ -77,7 +77,7 @@ def upload_base(seed: Path, repository: S3Repository) -> tuple[str, int, float]:
         sent += layers.path(layer).stat().st_size
     elapsed = time.perf_counter() - started
     repository.commit(dataclasses.replace(manifest, disk_layers=tuple(stored)))
-    if repository.resolve("base") != manifest.id:
+    if manifest.alias != "base":  # committed with its alias otherwise
         repository.set_alias("base", manifest.id)
     return manifest.memory_image, sent, elapsed
 
