@@ -41,6 +41,11 @@ Decisions, and why:
   ``<home>/lazy/index``, written by the node; the server only reads them.
 - If the server is down, a node does not start new sandboxes on its files: it fetches the image
   whole instead (`CachedRuntime`).
+- Limit, measured: writing a snapshot's delta pages into the clone (`aenv.snapshot.memory`) is a
+  copy-on-write fault on the private mapping, which reads each page's original from the file
+  first; a delta scattered over the guest's RAM therefore touches most of the image's data
+  chunks, and a start from such a snapshot fetches nearly all of the image (a template start
+  only what the restore reads). The bottom disk layer and the tools image stay mostly unread.
 """
 
 from __future__ import annotations
