@@ -41,11 +41,14 @@ Decisions, and why:
   ``<home>/lazy/index``, written by the node; the server only reads them.
 - If the server is down, a node does not start new sandboxes on its files: it fetches the image
   whole instead (`CachedRuntime`).
-- Limit, measured: writing a snapshot's delta pages into the clone (`aenv.snapshot.memory`) is a
-  copy-on-write fault on the private mapping, which reads each page's original from the file
-  first; a delta scattered over the guest's RAM therefore touches most of the image's data
-  chunks, and a start from such a snapshot fetches nearly all of the image (a template start
-  only what the restore reads). The bottom disk layer and the tools image stay mostly unread.
+- Limit, measured (TCG, 512 MiB `base`, 127 MiB of it non-zero): a restore reads most of the
+  memory image before its envd answers, about 92 % of the image's non-zero chunks at 256 KiB
+  and the same at 64 KiB, so it is not the chunk size; writing a snapshot's delta pages into
+  the clone (`aenv.snapshot.memory`) is a copy-on-write fault that reads each page's original
+  too. What on-demand loading saves before ready is the rest: the bottom disk layer, the
+  kernel and the tools image stay almost unread (about 1 MiB of their 340 MiB): 125 MiB is
+  fetched against 489 MiB whole, and a cold create takes 1.8 s with the profile prefetched
+  (2.5 s without) against 3.0 s.
 """
 
 from __future__ import annotations
