@@ -28,6 +28,7 @@ FIGURES = (
     "density",
     "soak",
     "template-build",
+    "storage",
 )
 
 
@@ -95,4 +96,6 @@ TARGETS: dict[str, Target] = {
     "template-build-cached": _ratio("median", "<=", 1.5),
     # floor: creates from `base` in the same run: a built template's creates must cost the same
     "template-build-create": _ratio("median", "<=", 1.2),
+    # floor: the same cold create on a node that fetches every blob whole before the start
+    "storage": _ratio("median", "<=", 1.0),
 }

@@ -26,6 +26,8 @@ PACKAGES=(
 PACKAGES+=(diod)
 # Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.
 PACKAGES+=(redis-server)
+# On-demand loading from an s3 repository (aenv.storage.lazyfs): libfuse3 and fusermount3.
+PACKAGES+=(fuse3)
 if ! $runtime_only; then
     # Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
     # (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.

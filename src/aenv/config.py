@@ -83,6 +83,7 @@ class Settings:
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
     cache_capacity_mib: int = 20480  # the runtime cache of an s3 repository (files QEMU opens)
+    lazy_loading: bool = True  # an s3 repository's memory images load on demand (aenv.storage.lazyfs)
     lease_ttl: float = 600.0  # a node silent this long is dead to the others: its leases expire
     template_builds: int = 2  # user template builds running at once, each in its own VM
     # The cluster (aenv.cluster): a node joins when scheduler_url is set and advertises node_addr

@@ -32,6 +32,7 @@ import httpx
 from . import paths
 from .node import BASE_TEMPLATE
 from .snapshot.repository import SnapshotNotFound, SnapshotRepository
+from .storage import lazyfs
 from .storage.layers import LayerStore
 
 START_TIMEOUT = 600.0  # seconds; a fresh, unseeded home builds `base` first
@@ -257,6 +258,7 @@ class DevNode:
         deadline = time.monotonic() + 20
         while self.qemu_pids() and time.monotonic() < deadline:
             time.sleep(0.1)
+        lazyfs.stop_at(self.home)  # outlives the node on purpose; nothing reads it any more
         if forced or not keep_home:
             for name in self.owned_netns():
                 subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)

@@ -105,8 +105,9 @@ class Node:
         log.info("aenv %s, accelerator %s (%s), home %s", __version__, choice.accel, choice.reason, home)
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
-        self._confine_vmms(home, artifacts)
+        # Storage first: its on-demand loading mounts under the home, inside the VMMs' root.
         self.storage = open_storage(settings, node_id(home))
+        self._confine_vmms(home, artifacts)
         repository = self.storage.repository
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.

@@ -68,14 +68,16 @@ def make_node(s3_server: S3Server, tmp_path: Path):
 
     yield make
     for storage in nodes:
-        storage.heartbeat.stop()
+        storage.close()
 
 
 def sealed_chain(layers: LayerStore, tmp_path: Path) -> list[str]:
-    """A base layer holding 'A's at 0 and an upper holding 'B's at 1 MiB, both sealed."""
+    """A base layer holding 'A's at 0 (and 9 MiB of 'D's: large enough to be loaded on demand)
+    and an upper holding 'B's at 1 MiB, both sealed."""
     base = tmp_path / "base.qcow2"
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "8M"], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "16M"], check=True)
     qemu_io(base, "write -P 0x41 0 64k")
+    qemu_io(base, "write -P 0x44 4M 9M")
     base_id = layers.import_base(base, "sha256:" + secrets.token_hex(32))
     upper = asyncio.run(layers.create_upper(base_id))
     qemu_io(layers.path(upper), f"write -P 0x42 {MIB} 64k")
@@ -116,6 +118,10 @@ def test_a_disk_chain_sealed_on_one_node_runs_on_another(make_node, tmp_path: Pa
     qemu_io(disk, f"read -P 0x42 {MIB} 64k")
     node_b_home = str(tmp_path / "node-b")
     assert all(path.startswith(node_b_home) for path in chain_files(disk))  # no path of node A
+    # The bottom layer names no backing file: B reads it on demand through its FUSE mount.
+    assert chain_files(disk)[-1] == str(runtime_b.lazy.path(digests[0].removeprefix("sha256:")))
+    assert runtime_b.cache.is_partial(digests[0].removeprefix("sha256:"))
+    qemu_io(disk, "read -P 0x44 4M 9M")
     assert runtime_b.memory_image(leased).read_bytes() == b"memory image"
     assert runtime_b.template_stream(leased).read_bytes().startswith(b"QEVM")
     before = runtime_b.cache.stats()

@@ -63,7 +63,8 @@ def test_aws_variables_are_the_credentials(s3_server, tmp_path: Path, monkeypatc
         }
     )
     storage = open_storage(settings, "node-a")
-    storage.heartbeat.stop()
+    storage.close()
+    assert storage.lazy is not None  # its server read the same variables
     digest = storage.repository.put_bytes(b"signed with the AWS variables")
     assert storage.repository.has_blob(digest)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")

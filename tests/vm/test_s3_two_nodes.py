@@ -5,13 +5,16 @@ In the first test each node is a snapshot engine with its own home, layer store 
 cache, opened from settings the way `aenv server` opens its storage. Node A builds a template
 and runs a sandbox from it, writes a file and a running process's state, and snapshots it; node
 B starts a sandbox from that snapshot through the repository alone (its cache starts empty) and
-finds both. In the second, two real `aenv server`s (DevNodes) share the bucket: a sandbox
-paused on A (through the E2B SDK) is taken over by B, and A no longer has it.
+finds both. Then two real `aenv server`s (DevNodes) share the bucket: a snapshot made on A
+creates on B with its memory image loaded on demand (B's QEMU maps the file of B's FUSE server,
+and only part of what B loads on demand was fetched when the sandbox answered), and a sandbox paused on A
+(through the E2B SDK) is taken over by B, and A no longer has it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -23,6 +26,7 @@ import pytest
 from aenv.config import Settings
 from aenv.devnode import DevNode
 from aenv.snapshot.engine import SnapshotEngine
+from aenv.storage.chunks import ChunkIndex
 from aenv.storage.open import open_storage
 from aenv.vmm.accel import accelerator_from_env
 from tests.conftest import NodeLoop, SandboxManager, wait_for
@@ -69,7 +73,7 @@ def two_nodes(s3_server: S3Server, bucket: str, guest_artifacts, node_loop: Node
         manager.close()
         with contextlib.suppress(Exception):
             node_loop.run(engine.close())
-        storage.heartbeat.stop()
+        storage.close()
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +128,12 @@ def test_snapshot_on_node_a_starts_on_node_b(two_nodes, shared_template, node_lo
     node_b.kill(copy.sandbox_id)
 
 
-@pytest.fixture
-def dev_nodes(s3_server: S3Server, bucket: str, shared_template, tmp_path: Path) -> Iterator[list[DevNode]]:
+@pytest.fixture(scope="module")
+def dev_nodes(s3_server: S3Server, bucket: str, shared_template, tmp_path_factory) -> Iterator[list[DevNode]]:
     """Two `aenv server`s on the bucket (no warm VMs, no parked processes: less to wait for)."""
     settings = {**s3_settings(s3_server, bucket), "warm_pool_size": 0, "park_seconds": 0}
-    nodes = [DevNode(tmp_path / name, slot_first=first, slot_count=64, **settings)
+    home = tmp_path_factory.mktemp("dev-nodes")
+    nodes = [DevNode(home / name, slot_first=first, slot_count=64, **settings)
              for name, first in zip(("a", "b"), SLOTS, strict=True)]  # fmt: skip
     try:
         for node in nodes:
@@ -137,6 +142,54 @@ def dev_nodes(s3_server: S3Server, bucket: str, shared_template, tmp_path: Path)
     finally:
         for node in nodes:
             node.cleanup()
+
+
+def partial_entries(node: DevNode) -> set[str]:
+    """The keys of what the node's runtime cache holds in part (blobs loaded on demand)."""
+    entries = json.loads((node.home / "cache" / "index.json").read_text())
+    return {key for key, entry in entries.items() if entry.get("lazy")}
+
+
+def held_and_stored(node: DevNode, key: str) -> tuple[int, int]:
+    """Bytes the node holds of a blob loaded on demand, and the blob's bytes that are not zeros."""
+    index = ChunkIndex.from_json((node.home / "lazy" / "index" / f"{key}.json").read_bytes())
+    held = (node.home / "cache" / key).stat().st_blocks * 512
+    return held, len(index.data_chunks()) * index.chunk_size
+
+
+def test_snapshot_on_node_a_creates_on_node_b_loading_on_demand(dev_nodes: list[DevNode], two_nodes):
+    from e2b import Sandbox
+
+    a, b = dev_nodes
+    repository = two_nodes[0][0].repository  # the bucket, read as the engines' node A
+    source = Sandbox.create("base", timeout=300, api_key=a.key, api_url=a.url, sandbox_url=a.url)
+    source.files.write("/root/made-on-a.txt", "written on node A before the snapshot", user="root")
+    source.commands.run("sleep 100000 & echo $! > /root/sleeper.pid", user="root")
+    made = httpx.post(
+        f"{a.url}/sandboxes/{source.sandbox_id}/snapshots", headers={"X-API-Key": a.key}, json={}, timeout=120
+    )
+    assert made.status_code == 201, made.text
+    snapshot_id = made.json()["snapshotID"]
+    source.kill()
+    detail = f"{b.url}/snapshots/{snapshot_id}"
+    wait_for(lambda: httpx.get(detail, headers={"X-API-Key": b.key}).status_code == 200, timeout=120)
+
+    copy = Sandbox.create(snapshot_id, timeout=300, api_key=b.key, api_url=b.url, sandbox_url=b.url)
+    # What B holds of each blob it loads on demand (the memory image, boot files, the bottom disk
+    # layer) when the guest answered, against the blob's bytes that are not zeros.
+    held = {key: held_and_stored(b, key) for key in partial_entries(b)}
+    key = repository.get(snapshot_id).memory_image.removeprefix("sha256:")
+    assert key in held and held[key][0] > 0
+    assert sum(h for h, _ in held.values()) < sum(s for _, s in held.values())  # only part of them
+    [qemu] = b.qemu_pids()
+    assert str(b.home / "runtime" / "lazy" / key) in Path(f"/proc/{qemu}/maps").read_text()
+    assert copy.files.read("/root/made-on-a.txt", user="root") == "written on node A before the snapshot"
+    pid = copy.files.read("/root/sleeper.pid", user="root").strip()
+    assert copy.commands.run(f"kill -0 {pid}", user="root").exit_code == 0  # the process lives on
+    print(f"\ncreate on B, fetched before ready (MiB held / stored): memory image {held[key][0] >> 20} /"
+          f" {held[key][1] >> 20}; all on demand {sum(h for h, _ in held.values()) >> 20} /"
+          f" {sum(s for _, s in held.values()) >> 20}")  # fmt: skip
+    copy.kill()
 
 
 def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):

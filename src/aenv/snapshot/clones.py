@@ -94,7 +94,9 @@ class Clones:
             await vm.kill()
             network.destroy()
             raise
-        return await self.identify(state, manifest, vm, network, init)
+        sandbox = await self.identify(state, manifest, vm, network, init)
+        self.host.runtime.restored(manifest)
+        return sandbox
 
     async def boot(
         self, state: SandboxState, manifest: SnapshotManifest, init: GuestInit, ready_timeout: float

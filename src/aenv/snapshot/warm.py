@@ -83,6 +83,7 @@ class WarmVMs:
             )
             envd = EnvdLink(network)
             await envd.init(GuestInit().payload(), timeout=60)
+            runtime.restored(manifest)
             WarmRecord(vm.pid, manifest.id, top, network.name).save(workdir)
         except BaseException:
             if vm is not None:

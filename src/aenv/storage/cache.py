@@ -9,13 +9,18 @@ recently used first when the cache is over capacity; when everything left is pin
 stays over capacity rather than fail a start, and says so in its stats.
 
 Usage is the space entries take on disk (sparse memory images count what they hold, not their
-size). The index (owners and use order) is kept in ``index.json`` so a restarted node keeps the
-pins of its paused sandboxes.
+size). An entry may be partial: a memory image loaded on demand (`aenv.storage.lazyfs`) is a
+sparse file that another process fills chunk by chunk while VMs read it; it is pinned, counted
+(by what it holds so far, growth counted as fetched) and evicted like any other, and
+`on_evict` tells its owner so the file is no longer served. The index (owners, use order,
+partial or not) is kept in ``index.json`` so a restarted node keeps the pins of its paused
+sandboxes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -51,6 +56,7 @@ class _Entry:
     size: int
     owners: set[str] = field(default_factory=set)
     used: float = field(default_factory=time.time)
+    lazy: bool = False  # filled on demand: its file holds only what was read so far
 
 
 class BlobCache:
@@ -60,15 +66,20 @@ class BlobCache:
     are never evicted.
     """
 
-    def __init__(self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]]):
+    def __init__(
+        self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]],
+        recent_seconds: float | None = None,
+    ) -> None:  # fmt: skip
         self.root = root
         self.capacity_bytes = capacity_bytes
+        self.recent_seconds = RECENT_SECONDS if recent_seconds is None else recent_seconds
         self._in_use = in_use
         root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._filling: dict[str, threading.Lock] = {}
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.hits = self.misses = self.evictions = self.fetched_bytes = 0
+        self.on_evict: Callable[[str], None] | None = None
         self._load()
 
     def path(self, key: str) -> Path:
@@ -77,24 +88,43 @@ class BlobCache:
     def get(self, key: str, fill: Callable[[Path], None], owner: str | None = None) -> Path:
         """The entry's file, filled by ``fill(tmp)`` on a miss; ``owner`` (a snapshot id) pins it."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and self.path(key).exists():
-                self.hits += 1
-                self._touch(key, entry, owner)
+            if self._hit(key, owner):
                 return self.path(key)
             key_lock = self._filling.setdefault(key, threading.Lock())
         with key_lock:
             with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None and self.path(key).exists():  # filled by another thread
-                    self.hits += 1
-                    self._touch(key, entry, owner)
+                if self._hit(key, owner):  # filled by another thread
                     return self.path(key)
             self._fill(key, fill, owner)
         with self._lock:
             self._filling.pop(key, None)
             self._evict(keep=key)
         return self.path(key)
+
+    def get_partial(self, key: str, size: int, owner: str | None = None) -> tuple[Path, bool]:
+        """A partial entry of `size` bytes (a sparse file, filled by its reader), made on a miss.
+
+        Returns its file and whether it already was an entry (complete or partial: the caller
+        serves a complete one in place).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and self.path(key).exists():
+                self.hits += 1
+                self._touch(key, entry, owner)
+                return self.path(key), True
+            self.misses += 1
+            with open(self.path(key), "wb") as f:
+                f.truncate(size)
+            os.chmod(self.path(key), 0o444)
+            self._entries[key] = _Entry(0, {owner} if owner else set(), lazy=True)
+            self._evict(keep=key)  # saves the index
+            return self.path(key), False
+
+    def is_partial(self, key: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.lazy
 
     def adopt(self, key: str, path: Path, owner: str | None = None) -> None:
         """Make an immutable local file an entry by hardlink (it was just stored from this node)."""
@@ -111,6 +141,7 @@ class BlobCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
+            self._measure_partial()
             pinned = self._pinned_keys()
             return CacheStats(
                 capacity_bytes=self.capacity_bytes,
@@ -147,6 +178,26 @@ class BlobCache:
             self._entries[key] = _Entry(size, {owner} if owner else set())
             self._save()
 
+    def _hit(self, key: str, owner: str | None) -> bool:
+        """A complete entry: counted as a hit and touched (a partial one is filled anew)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.lazy or not self.path(key).exists():
+            return False
+        self.hits += 1
+        self._touch(key, entry, owner)
+        return True
+
+    def _measure_partial(self) -> None:
+        """Partial entries grow as they are read: their size now, the growth counted as fetched."""
+        for key, entry in self._entries.items():
+            if entry.lazy:
+                try:
+                    size = _allocated(self.path(key))
+                except FileNotFoundError:
+                    size = 0
+                self.fetched_bytes += max(0, size - entry.size)
+                entry.size = size
+
     def _touch(self, key: str, entry: _Entry, owner: str | None) -> None:
         entry.used = time.time()
         self._entries.move_to_end(key)
@@ -156,10 +207,11 @@ class BlobCache:
 
     def _pinned_keys(self) -> set[str]:
         leased = self._in_use()
-        recent = time.time() - RECENT_SECONDS
+        recent = time.time() - self.recent_seconds
         return {k for k, e in self._entries.items() if e.owners & leased or e.used > recent}
 
     def _evict(self, keep: str) -> None:
+        self._measure_partial()
         used = sum(e.size for e in self._entries.values())
         if used <= self.capacity_bytes:
             return
@@ -168,6 +220,8 @@ class BlobCache:
             if used <= self.capacity_bytes:
                 break
             entry = self._entries.pop(key)
+            if entry.lazy and self.on_evict is not None:
+                self.on_evict(key)
             self.path(key).unlink(missing_ok=True)
             used -= entry.size
             self.evictions += 1
@@ -179,7 +233,7 @@ class BlobCache:
         self._save()
 
     def _save(self) -> None:
-        data = {k: {"owners": sorted(e.owners), "used": e.used} for k, e in self._entries.items()}
+        data = {k: dataclasses.asdict(e) | {"owners": sorted(e.owners)} for k, e in self._entries.items()}
         tmp = self.root / f".{INDEX}.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.root / INDEX)
@@ -199,7 +253,8 @@ class BlobCache:
             if path.name == INDEX:
                 continue
             info = recorded.get(path.name, {})
-            entry = _Entry(_allocated(path), set(info.get("owners", [])), float(info.get("used", 0.0)))
+            owners, used = set(info.get("owners", [])), float(info.get("used", 0.0))
+            entry = _Entry(_allocated(path), owners, used, bool(info.get("lazy")))
             found.append((entry.used, path.name, entry))
         for _, key, entry in sorted(found):
             self._entries[key] = entry

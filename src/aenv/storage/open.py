@@ -3,7 +3,9 @@
 `AENV_REPOSITORY` picks the backend: a directory (posix_fs, `<home>/repository` by default,
 usable on a shared filesystem too) or `s3://BUCKET/PREFIX` (any S3-compatible store, reached at
 `AENV_S3_ENDPOINT` in `AENV_S3_REGION`). An s3 repository is read through a runtime cache in
-`<home>/cache` of `AENV_CACHE_CAPACITY_MIB`; a posix one is used in place.
+`<home>/cache` of `AENV_CACHE_CAPACITY_MIB`, its memory images loaded on demand through the
+node's FUSE server (`aenv.storage.lazyfs`) unless `AENV_LAZY_LOADING=false` or the host has no
+FUSE; a posix one is used in place.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import Settings
 from ..paths import layers_dir, repository_dir
@@ -20,6 +23,10 @@ from .cache import BlobCache
 from .layers import LayerStore
 from .protocols import Repository, RuntimeResolver
 from .runtime import CachedRuntime
+
+if TYPE_CHECKING:
+    from .lazyfs import LazyMount
+    from .s3 import S3Location
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,14 @@ class Storage:
     runtime: RuntimeResolver | None
     heartbeat: Heartbeat
     cache: BlobCache | None = None
+    lazy: LazyMount | None = None  # outlives the node: stopped only by `LazyMount.stop` (tests)
+
+    def close(self) -> None:
+        """Stop the heartbeat and the on-demand loading server: for a home whose VMs are all
+        gone (a node's own stop leaves the server running for the VMs that outlive it)."""
+        self.heartbeat.stop()
+        if self.lazy is not None:
+            self.lazy.stop()
 
     @property
     def shared(self) -> bool:
@@ -80,15 +95,32 @@ def open_storage(settings: Settings, node: str) -> Storage:
             location, home / "staging", node=node, lease_ttl=settings.lease_ttl, create_bucket=True
         )
         cache = BlobCache(home / "cache", settings.cache_capacity_mib << 20, repository.local_leases)
+        lazy = _lazy_mount(settings, cache, location)
         runtime: RuntimeResolver | None = CachedRuntime(
-            repository, LayerStore(layers_dir(home)), home / "runtime", cache
+            repository, LayerStore(layers_dir(home)), home / "runtime", cache, lazy
         )
         log.info("repository %s at %s, runtime cache %d MiB", settings.repository, location.endpoint,
                  settings.cache_capacity_mib)  # fmt: skip
     else:
         root = Path(settings.repository) if settings.repository else repository_dir(home)
         repository = SnapshotRepository(root, node=node, lease_ttl=settings.lease_ttl)
-        runtime, cache = None, None
+        runtime, cache, lazy = None, None, None
     heartbeat = Heartbeat(repository, settings.lease_ttl / 4)
     heartbeat.start()
-    return Storage(repository, runtime, heartbeat, cache)
+    return Storage(repository, runtime, heartbeat, cache, lazy)
+
+
+def _lazy_mount(settings: Settings, cache: BlobCache, location: S3Location) -> LazyMount | None:
+    """The node's on-demand loading, mounted now: before the VMMs' root is built (it must be in
+    it), and so that a missing FUSE shows at start, not at the first cold start."""
+    from .lazyfs import LazyMount
+
+    if not settings.lazy_loading:
+        return None
+    lazy = LazyMount.for_home(settings.home_path, cache.root, location)
+    try:
+        lazy.ensure()
+    except OSError:
+        log.warning("on-demand loading is off: memory images are fetched whole", exc_info=True)
+        return None
+    return lazy

@@ -110,6 +110,11 @@ class RuntimeResolver(Protocol):
         """Make every file of the snapshot local now (blocking: call it in a worker thread)."""
         ...
 
+    def restored(self, manifest: SnapshotManifest) -> None:
+        """A guest restored from the snapshot answers (its envd took `/init`): what it read of the
+        memory image until now is what a restore reads (the prefetch list of on-demand loading)."""
+        ...
+
     def top_layer(self, manifest: SnapshotManifest) -> Path:
         """The snapshot's topmost sealed disk layer, its backing chain in place: new layers go on it."""
         ...

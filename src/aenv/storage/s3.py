@@ -40,6 +40,7 @@ import base64
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -80,11 +81,13 @@ from ..snapshot.repository import (
     check_holder,
     file_digest,
 )
+from .chunks import CHUNK_SIZE, ChunkIndex
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 MIN_PART = 5 * MIB  # S3's smallest part (all but the last)
+LAZY_MIN = 32 * CHUNK_SIZE  # blobs this large get a chunk index: they may be loaded on demand
 PRECONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
 
 
@@ -106,6 +109,92 @@ class S3Location:
             raise ValueError(f"an S3 repository is s3://BUCKET/PREFIX, got {url!r}")
         bucket, _, prefix = url[5:].partition("/")
         return cls(bucket=bucket, prefix=prefix.strip("/"), **options)
+
+
+def s3_client(location: S3Location) -> Any:
+    """A boto3 S3 client for the location (thread-safe; path-style addressing, retries)."""
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=location.endpoint,
+        region_name=location.region,
+        aws_access_key_id=location.access_key,
+        aws_secret_access_key=location.secret_key,
+        config=Config(
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 5, "mode": "standard"},
+            # Integrity is checked explicitly (sha256 of whole blobs and of chunks, MD5 of parts).
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=32,
+        ),
+    )
+
+
+class BlobReader:
+    """Ranged reads of a repository's blobs, their chunk indexes and restore profiles.
+
+    All that on-demand loading needs (`aenv.storage.lazyfs` holds one, not a repository).
+    Keys beside ``blobs/``: ``chunks/<hex>`` (the blob's `ChunkIndex`, written by the node that
+    stored it) and ``profiles/<hex>`` (the chunks a restore from the blob read, recorded by the
+    first node that restored from it; a prefetch list, never trusted for content).
+    """
+
+    def __init__(self, location: S3Location):
+        self.location = location
+        self.client = s3_client(location)
+        self._prefix = f"{location.prefix}/" if location.prefix else ""
+
+    def key(self, kind: str, digest: str) -> str:
+        return f"{self._prefix}{kind}/" + ("sha256/" if kind == "blobs" else "") + _hex(digest)
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        """`length` bytes of the blob at `offset` (one ranged GET)."""
+        try:
+            answer = self.client.get_object(
+                Bucket=self.location.bucket, Key=self.key("blobs", digest),
+                Range=f"bytes={offset}-{offset + length - 1}",
+            )  # fmt: skip
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                raise MissingBlob(f"blob {digest} is not in the repository") from None
+            raise
+        with contextlib.closing(answer["Body"]) as body:
+            return body.read()
+
+    def chunk_index(self, digest: str) -> ChunkIndex | None:
+        """The blob's chunk index, or None if it has none (small, or stored before indexes)."""
+        data = self._get(self.key("chunks", digest))
+        return None if data is None else ChunkIndex.from_json(data)
+
+    def profile(self, digest: str) -> list[int] | None:
+        """The chunks a restore from this memory image read, if a node recorded them."""
+        data = self._get(self.key("profiles", digest))
+        if data is None:
+            return None
+        with contextlib.suppress(ValueError, TypeError):
+            return [int(i) for i in json.loads(data)]
+        return None  # a damaged profile only costs a slower start
+
+    def record_profile(self, digest: str, chunks: list[int]) -> None:
+        """Record what a restore from memory image `digest` read; the first node's record stays."""
+        body = json.dumps(chunks).encode()
+        md5 = base64.b64encode(hashlib.md5(body).digest()).decode()
+        try:
+            self.client.put_object(
+                Bucket=self.location.bucket, Key=self.key("profiles", digest), Body=body, ContentMD5=md5,
+                IfNoneMatch="*",
+            )  # fmt: skip
+        except ClientError as exc:
+            if _code(exc) not in PRECONDITION_FAILED:
+                raise
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            return self.client.get_object(Bucket=self.location.bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
 
 
 class S3Repository:
@@ -131,21 +220,8 @@ class S3Repository:
         self.part_size = part_size
         self._bucket = location.bucket
         self._prefix = f"{location.prefix}/" if location.prefix else ""
-        self._client = boto3.session.Session().client(
-            "s3",
-            endpoint_url=location.endpoint,
-            region_name=location.region,
-            aws_access_key_id=location.access_key,
-            aws_secret_access_key=location.secret_key,
-            config=Config(
-                s3={"addressing_style": "path"},
-                retries={"max_attempts": 5, "mode": "standard"},
-                # Integrity is checked explicitly (sha256 of whole blobs, MD5 of parts).
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                max_pool_connections=32,
-            ),
-        )
+        self.reader = BlobReader(location)
+        self._client = self.reader.client
         if create_bucket:
             self._create_bucket()
         self._staging = staging
@@ -262,10 +338,13 @@ class S3Repository:
             raise DigestMismatch(f"{src} hashes to {actual}, not to the given {digest}")
         if not self._refresh(actual):
             size = src.stat().st_size
+            index = ChunkIndex.build(src) if size >= LAZY_MIN else None
             if size <= self.part_size:
                 self._upload_single(src.read_bytes(), actual)
             else:
                 self._upload_multipart(src, actual, size)
+            if index is not None:  # after the blob: a blob without its index is loaded whole
+                self._put(self.reader.key("chunks", actual), index.to_json())
         if move:
             src.unlink()
         return actual
@@ -707,9 +786,15 @@ class S3Repository:
             if (now - head["LastModified"]).total_seconds() < grace:
                 continue
             self._delete(key)
+            for kind in ("chunks", "profiles"):
+                self._delete(self.reader.key(kind, digest))
             removed.append(digest)
             freed += head["ContentLength"]
         return removed, freed
+
+
+def _hex(digest: str) -> str:
+    return check_digest(digest).removeprefix("sha256:")
 
 
 def _code(exc: ClientError) -> str:
