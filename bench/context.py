@@ -18,6 +18,17 @@ from .plan import Plan
 T = TypeVar("T")
 REFILL_WAIT = 5.0  # seconds to let the warm pool refill when it cannot be watched (a remote node)
 SETTLE = 0.5  # seconds for the host to quiet down after a refill or a resume, before the next sample
+HOST_QUIET_WINDOW = 0.5  # seconds over which the host's CPU use is judged
+HOST_QUIET_BUSY = 0.25  # share of all the host's CPU time in use that still counts as quiet
+HOST_QUIET_LIMIT = 60.0  # seconds to wait at most for a quiet host (it may never be, if shared)
+
+
+def host_busy_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole host since boot, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        ticks = [int(v) for v in stat.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
 
 
 async def bounded(limit: int, jobs: Iterable[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
@@ -88,6 +99,22 @@ class Context:
             f"before each sample: waited until all {node.warm_pool} warm VMs of `base` were ready "
             f"(their record under the node's runtime/warm), then {SETTLE:g} s"
         )
+
+    async def host_quiet(self) -> float:
+        """Until the host's CPUs were mostly idle over a short window, at most `HOST_QUIET_LIMIT`
+        seconds; returns the seconds waited. A sample that creates many sandboxes leaves work
+        behind once they are killed (the node making their networks again, QEMU processes
+        exiting): the next sample must not pay for it."""
+        started = time.monotonic()
+        if not self.node.local:
+            return 0.0
+        while time.monotonic() - started < HOST_QUIET_LIMIT:
+            busy, total = host_busy_ticks()
+            await asyncio.sleep(HOST_QUIET_WINDOW)
+            busy_now, total_now = host_busy_ticks()
+            if busy_now - busy <= HOST_QUIET_BUSY * max(total_now - total, 1):
+                break
+        return round(time.monotonic() - started, 1)
 
     async def base_floors(self) -> tuple[list[float], list[float]] | None:
         """Samples of the bare restore and the bare device save, measured once per run."""

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from .context import SETTLE, Context, Sandboxes, bounded
+from .density import cpu_seconds
 from .node import BenchError
 from .report import Row
 from .stats import ms_since, summarize
@@ -200,30 +201,50 @@ async def snapshot(ctx: Context) -> list[Row]:
 
 async def fork(ctx: Context) -> list[Row]:
     """Fork into `fork_count` until the node answers (every child's envd took its `/init`), and
-    until a command then ran in every child: what a user can do next."""
+    until a command then ran in every child: what a user can do next.
+
+    Each sample starts on a quiet host (the warm pool full, the previous sample's teardown done),
+    and says how much CPU each child's QEMU process used by then: under TCG that is mostly the
+    guest's code translated afresh in every new process, the cost that bounds this figure."""
     count = ctx.plan.fork_count
-    samples, usable = [], []
+    samples, usable, waits = [], [], []
+    ready_cpu: list[float] = []
+    usable_cpu: list[float] = []
     async with Sandboxes(ctx.client) as sandboxes:
         source = await sandboxes.create()
         for _ in range(ctx.plan.fork):
-            await asyncio.sleep(SETTLE)
+            await ctx.quiet()
+            waits.append(await ctx.host_quiet())
             started = time.perf_counter()
             children = await ctx.client.fork(source["sandboxID"], count)
             samples.append(ms_since(started))
             for child in children:
                 sandboxes.track(child)
+            pids = [p for i, p in ctx.node.sandbox_pids().items() if i in {c["sandboxID"] for c in children}]
+            ready_cpu += [cpu_seconds([pid]) for pid in pids]
             await asyncio.gather(*(ctx.client.run(child, "true") for child in children))
             usable.append(ms_since(started))
+            usable_cpu += [cpu_seconds([pid]) for pid in pids]
             for child in children:
                 await sandboxes.kill(child["sandboxID"])
+    await ctx.host_quiet()
     floor = await ctx.concurrent_restores(count)
     wall = floor[1] if floor else None
     note = f"floor: wall clock of {count} bare restores at once" if floor else ""
+    note += f"; before each sample the host was quiet (waited {waits} s)"
+    usable_note = "from the fork request until a command run through the proxy had ended in every child"
+    details: dict[str, Any] = {"quiet_wait_s": waits}
+    if ready_cpu:
+        ready_ms, usable_ms = (round(1000 * statistics.median(c)) for c in (ready_cpu, usable_cpu))
+        details |= {"child_qemu_cpu_ms_ready": ready_ms, "child_qemu_cpu_ms_usable": usable_ms}
+        note += f"; each child's QEMU used a median {ready_ms} ms of CPU until envd-ready"
+        usable_note += f"; each child's QEMU used a median {usable_ms} ms of CPU by then"
     name = f"{count} bare restores"
     return [
-        Row("fork", summarize(f"fork into {count}, all envd-ready", samples), wall, name, note=note),
+        Row("fork", summarize(f"fork into {count}, all envd-ready", samples), wall, name, note=note,
+            details=details),
         Row("fork-usable", summarize(f"fork into {count}, then `true` ran in each", usable), wall, name,
-            note="from the fork request until a command run through the proxy had ended in every child"),
+            note=usable_note),
     ]  # fmt: skip
 
 

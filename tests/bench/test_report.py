@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.client import _command_output
+from bench.context import host_busy_ticks
 from bench.node import BenchError
 from bench.plan import MODES
 from bench.report import Row, table, write_json
@@ -137,3 +138,9 @@ def test_command_output_from_a_connect_stream():
         _command_output("false", failed)
     with pytest.raises(BenchError, match="without an end event"):
         _command_output("true", _frame({}, flags=0x02)[:-1])
+
+
+def test_host_cpu_ticks_count_busy_within_total():
+    busy, total = host_busy_ticks()
+    later_busy, later_total = host_busy_ticks()
+    assert 0 <= busy <= total and later_total >= total and later_busy >= busy

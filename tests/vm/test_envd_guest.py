@@ -97,3 +97,10 @@ def test_killed_envd_comes_back_with_its_token(sandboxes, base_template):
     stranger = RunningSandbox(vm=running.vm, envd_url=running.envd_url, access_token="not-the-token").sdk()
     with pytest.raises(AuthenticationException):
         stranger.commands.run("true")
+
+
+def test_idle_guest_kernel_has_no_needless_timers(sandbox):
+    """Each wakeup of an idle guest costs its host CPU: proactive compaction and the soft-lockup
+    watchdog are off (the guest kernel's command line)."""
+    settings = "/proc/sys/vm/compaction_proactiveness /proc/sys/kernel/watchdog"
+    assert sandbox.commands.run(f"cat {settings}", user="root").stdout.split() == ["0", "0"]

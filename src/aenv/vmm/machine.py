@@ -46,6 +46,13 @@ TCG_TRANSLATION_CACHE_MIB = 64
 # (and gets the wall clock from envd's /init). Under TCG the legacy timers alone cost an idle
 # guest more than half of its CPU time (0.8 % of a core per idle VM with them, 0.33 % without).
 MACHINE_TYPE = "microvm,pit=off,pic=off,rtc=off"
+# No self-announcement after an incoming migration (QEMU's default: 5 rounds over ~1 s, each a
+# RARP on the tap and, through virtio-net's guest announce, gratuitous ARP, IPv6 neighbour
+# advertisements and netlink events in the guest). They tell switches a VM moved to another
+# host port; a restored aenv guest sits behind a fresh tap in its own namespace that no switch
+# learns, and under TCG each round is guest code a new QEMU process translates and runs right
+# when a fork child or a resumed sandbox should answer its `/init`.
+NO_SELF_ANNOUNCE = ("-global", "migration.announce-rounds=0")
 # QEMU's whole environment: it needs none of the node's (which holds the API key and any other
 # secret the node was started with), and a guest escaping into QEMU must find nothing there.
 QEMU_ENVIRONMENT = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
@@ -112,6 +119,7 @@ class MachineConfig:
             "-mon", "chardev=qmp,mode=control",
             "-chardev", f"socket,id=recovery,fd={_RECOVERY_FD},server=on,wait=off",
             "-mon", "chardev=recovery,mode=control",
+            *NO_SELF_ANNOUNCE,
         ]  # fmt: skip
         for drive in self.drives:
             options = (
