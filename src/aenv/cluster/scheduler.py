@@ -12,7 +12,8 @@ cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
     GET    /nodes/{node_id}             NodeInfo
     POST   /nodes/{node_id}/heartbeat   Heartbeat -> NodeInfo (404: register again)
     POST   /nodes/{node_id}/drain       NodeInfo
-    POST   /placements                  Placement -> NodeInfo (503 when no node has room)
+    POST   /placements                  Placement -> NodeInfo (503 when no node has room; 409
+                                        when a create's sandbox_id is bound already)
     GET    /bindings[?node_id=N]        [Binding]
     GET    /bindings/{sandbox_id}       Location {"binding", "node"}
     PUT    /bindings/{sandbox_id}       Binding -> 204
@@ -27,7 +28,10 @@ running sandboxes, then the most free memory and vCPUs. A resume prefers the nod
 sandbox while that node is up; a durable pause (in the shared repository) may resume on any
 node with room, a node-local one only on its node (draining included). The chosen node's room is
 reserved atomically: when a concurrent scheduler spent it first, the next candidate is tried.
-A fork is no placement: it stays on its source's node, which the gateway locates.
+A create that names its sandbox (`Placement.sandbox_id`: the gateway chose the id) is bound to
+the chosen node in that same step, so it needs no second call; a create that fails is
+unbound, which frees its room. A fork is no placement: it stays on its source's node, which
+the gateway locates.
 """
 
 from __future__ import annotations
@@ -99,8 +103,9 @@ class ClusterScheduler:
             candidates = ranked(rooms, request)
         for room in candidates:
             draining = room.node.status == NodeState.DRAINING
+            binding = _created(request, room.node.node_id)
             if await self.state.reserve(
-                room.node.node_id, request.memory_mib, request.vcpus, allow_draining=draining
+                room.node.node_id, request.memory_mib, request.vcpus, allow_draining=draining, binding=binding
             ):
                 return room.node
         raise Unavailable(_no_room(rooms, request))
@@ -136,14 +141,21 @@ class ClusterScheduler:
         await self.state.unbind(sandbox_id, node_id)
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
-        binding = await self.state.binding(sandbox_id)
-        try:
-            return binding, await self.state.node(binding.node_id)
-        except NotFound:
-            raise NotFound(f"sandbox {sandbox_id} is bound to node {binding.node_id}, which left") from None
+        binding, node = await self.state.locate(sandbox_id)
+        if node is None:
+            raise NotFound(f"sandbox {sandbox_id} is bound to node {binding.node_id}, which left")
+        return binding, node
 
     async def bindings(self, node_id: str | None = None) -> list[Binding]:
         return await self.state.bindings(node_id)
+
+
+def _created(request: Placement, node_id: str) -> Binding | None:
+    """The binding a create's placement records on `node_id`, if it names its sandbox."""
+    if request.kind != "create" or not request.sandbox_id:
+        return None
+    template = request.template
+    return Binding(sandbox_id=request.sandbox_id, node_id=node_id, state="running", template_id=template)
 
 
 def ranked(rooms: list[NodeRoom], request: Placement) -> list[NodeRoom]:

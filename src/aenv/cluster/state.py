@@ -18,12 +18,22 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
                                   started since the node's last heartbeat (its usage lacks them)
     aenv:bindings           HASH  {sandbox} -> Binding (JSON)
     aenv:bound:{node}       SET   the sandbox ids bound to the node
+    aenv:placing            HASH  {sandbox} -> "{node} {expiry} {member}": a create placed with
+                                  its binding whose node has not bound the sandbox yet
     aenv:cached:{snapshot}  SET   the node ids that cache a template or snapshot (locality index)
 
 A placement reserves its room (`reserve`); the sandbox's first running bind on that node turns
-the oldest reservation into a pending entry, and the node's next heartbeat, whose usage now
-counts the sandbox, clears the pending entries. A reservation whose create never binds (it
-failed, its gateway died) expires after `RESERVATION_TTL`. A fork's children are placed by no
+the reservation into a pending entry, and the node's next heartbeat, whose usage now counts the
+sandbox, clears the pending entries. A reservation whose create never binds (it failed, its
+gateway died) expires after `RESERVATION_TTL`.
+
+A create's placement names the sandbox (the gateway chose its id) and records its binding in the
+same script, so the gateway's create is one scheduler call and the sandbox is locatable from the
+moment the node answers. Until the node binds it itself the binding is `placing`; a create that
+fails is unbound by its gateway, which frees its reservation too. The node's reconciliation does
+not see a placing binding (`bindings(node)`: the node holds no such sandbox until its create
+ends) until the reservation expired, which is a gateway that died mid-create: then the node
+drops it, if it holds no such sandbox. A fork's children are placed by no
 one (they start on their source's node), so their binds take the oldest reservations of
 creates still under way: the room is counted once all the same, only under other names, until
 the next heartbeat counts everything. A node is down when its last
@@ -93,8 +103,10 @@ redis.call('HSET', KEYS[1], 'status', ARGV[2])
 return 1
 """
 
-# KEYS: node hash, reserved zset, pending hash. ARGV: member, memory, ttl, down_after, allow_draining.
-# The room test of `NodeRoom`, made again where nobody else can spend the room meanwhile.
+# KEYS: node hash, reserved zset, pending hash, bindings hash, bound set, placing hash.
+# ARGV: member, memory, ttl, down_after, allow_draining, node id, sandbox id and binding (or '').
+# The room test of `NodeRoom`, made again where nobody else can spend the room meanwhile; a
+# create's placement that names its sandbox records the binding with the reservation.
 _RESERVE = (
     _NOW
     + """
@@ -110,18 +122,29 @@ for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
 end
 for _, v in ipairs(redis.call('HVALS', KEYS[3])) do taken = taken + tonumber(string.match(v, '^(%d+)')) end
 if capacity.disk_free_mib <= 0 or taken > capacity.memory_mib then return 0 end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+local expiry = now + tonumber(ARGV[3])
+if ARGV[7] ~= '' then
+  if redis.call('HEXISTS', KEYS[4], ARGV[7]) == 1 then return redis.error_reply('AENV_TAKEN ' .. ARGV[7]) end
+  redis.call('HSET', KEYS[4], ARGV[7], ARGV[8])
+  redis.call('SADD', KEYS[5], ARGV[7])
+  redis.call('HSET', KEYS[6], ARGV[7], ARGV[6] .. ' ' .. tostring(expiry) .. ' ' .. ARGV[1])
+end
+redis.call('ZADD', KEYS[2], expiry, ARGV[1])
 return 1
 """
 )
 
-# KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node).
-# ARGV: prefix, sandbox id, binding, node id, state.
+# KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node),
+# placing hash. ARGV: prefix, sandbox id, binding, node id, state.
+# A sandbox's first running bind on a node spends its own placement's reservation, else the
+# oldest one (a fork's child, or a create placed without a name).
 _BIND = (
     _NOW
     + """
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('AENV_NO_NODE ' .. ARGV[4]) end
 local started = ARGV[5] == 'running'
+local placed = redis.call('HGET', KEYS[6], ARGV[2])
+if placed and started then redis.call('HDEL', KEYS[6], ARGV[2]) end
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 if old then
   local was = cjson.decode(old)
@@ -131,7 +154,7 @@ if old then
     end
     redis.call('SREM', ARGV[1] .. 'bound:' .. was.node_id, ARGV[2])
     redis.call('HDEL', ARGV[1] .. 'pending:' .. was.node_id, ARGV[2])
-  elseif was.state == 'running' then
+  elseif was.state == 'running' and not placed then
     started = false
   end
 end
@@ -139,8 +162,13 @@ redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[2])
 if started then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  local popped = redis.call('ZPOPMIN', KEYS[4])
-  if popped[1] then redis.call('HSET', KEYS[5], ARGV[2], string.match(popped[1], ':(%d+:%d+)$')) end
+  local member = nil
+  if placed then
+    local node, _, mine = string.match(placed, '^(%S+) (%S+) (%S+)$')
+    if node == ARGV[4] and redis.call('ZREM', KEYS[4], mine) == 1 then member = mine end
+  end
+  if not member then member = redis.call('ZPOPMIN', KEYS[4])[1] end
+  if member then redis.call('HSET', KEYS[5], ARGV[2], string.match(member, ':(%d+:%d+)$')) end
 elseif ARGV[5] ~= 'running' then
   redis.call('HDEL', KEYS[5], ARGV[2])
 end
@@ -148,15 +176,56 @@ return 1
 """
 )
 
-# KEYS: bindings hash. ARGV: prefix, sandbox id, node id.
+# KEYS: bindings hash, placing hash. ARGV: prefix, sandbox id, node id.
+# A binding still placing is a create that failed (or whose sandbox is gone already): its
+# reservation goes with it.
 _UNBIND = """
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 if not old or cjson.decode(old).node_id ~= ARGV[3] then return 0 end
+local placed = redis.call('HGET', KEYS[2], ARGV[2])
+if placed then
+  local node, _, member = string.match(placed, '^(%S+) (%S+) (%S+)$')
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('ZREM', ARGV[1] .. 'reserved:' .. node, member)
+end
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('SREM', ARGV[1] .. 'bound:' .. ARGV[3], ARGV[2])
 redis.call('HDEL', ARGV[1] .. 'pending:' .. ARGV[3], ARGV[2])
 return 1
 """
+
+# A node as the reads below return it: id, hash fields (flat), live reservations, pending room.
+_NODE_ENTRY = """
+local function node_entry(prefix, id, now)
+  return {id, redis.call('HGETALL', prefix .. 'node:' .. id),
+    redis.call('ZRANGEBYSCORE', prefix .. 'reserved:' .. id, now, '+inf'),
+    redis.call('HVALS', prefix .. 'pending:' .. id)}
+end
+"""
+
+# KEYS: nodes set. ARGV: prefix, node ids (none: every registered node). Read in one round trip.
+_ROOMS = (
+    _NOW
+    + _NODE_ENTRY
+    + """
+local ids = redis.call('SMEMBERS', KEYS[1])
+if #ARGV > 1 then ids = {unpack(ARGV, 2)} end
+local out = {tostring(now)}
+for _, id in ipairs(ids) do out[#out + 1] = node_entry(ARGV[1], id, now) end
+return out
+"""
+)
+
+# KEYS: bindings hash. ARGV: prefix, sandbox id. The binding (none: {}) and its node, at once.
+_LOCATE = (
+    _NOW
+    + _NODE_ENTRY
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[2])
+if not raw then return {} end
+return {raw, tostring(now), node_entry(ARGV[1], cjson.decode(raw).node_id, now)}
+"""
+)
 
 _BINDINGS = TypeAdapter(list[Binding])
 
@@ -175,9 +244,9 @@ class NodeRoom:
         return self.node.capacity.disk_free_mib > 0 and self.memory_mib >= memory_mib
 
 
-def _room(spent: list[str]) -> tuple[int, int]:
+def _spent(entries: list[str]) -> tuple[int, int]:
     """Memory and vCPUs of reservation members (`token:mem:vcpus`) or pending values (`mem:vcpus`)."""
-    parts = [entry.rsplit(":", 2)[-2:] for entry in spent]
+    parts = [entry.rsplit(":", 2)[-2:] for entry in entries]
     return sum(int(m) for m, _ in parts), sum(int(c) for _, c in parts)
 
 
@@ -197,6 +266,8 @@ class ClusterState:
                 "reserve": _RESERVE,
                 "bind": _BIND,
                 "unbind": _UNBIND,
+                "rooms": _ROOMS,
+                "locate": _LOCATE,
             }.items()
         }
 
@@ -217,11 +288,9 @@ class ClusterState:
                 raise NotFound(f"node {ids[0]} is not registered") from None
             if reason == "AENV_MOVED":
                 raise Conflict(f"sandbox {ids[0]} runs on node {ids[1]} now") from None
+            if reason == "AENV_TAKEN":
+                raise Conflict(f"sandbox {ids[0]} is bound already") from None
             raise
-
-    async def now(self) -> float:
-        seconds, micros = await self.redis.time()
-        return seconds + micros / 1e6
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -253,20 +322,13 @@ class ClusterState:
         return await self.node(node_id)
 
     async def node(self, node_id: str) -> NodeInfo:
-        nodes = await self._nodes([node_id], await self.now())
-        if not nodes:
+        rooms = await self.rooms([node_id])
+        if not rooms:
             raise NotFound(f"node {node_id} is not registered")
-        return nodes[0]
+        return rooms[0].node
 
     async def nodes(self) -> list[NodeInfo]:
-        ids = sorted(await self.redis.smembers(f"{PREFIX}nodes"))
-        return await self._nodes(ids, await self.now())
-
-    async def _nodes(self, ids: list[str], now: float) -> list[NodeInfo]:
-        pipe = self.redis.pipeline(transaction=False)
-        for node_id in ids:
-            pipe.hgetall(f"{PREFIX}node:{node_id}")
-        return [self._node(fields, now) for fields in await pipe.execute() if "info" in fields]
+        return [room.node for room in await self.rooms()]
 
     def _node(self, fields: dict[str, str], now: float) -> NodeInfo:
         heartbeat_at = float(fields["heartbeat_at"])
@@ -285,29 +347,36 @@ class ClusterState:
             }
         )
 
-    async def rooms(self) -> list[NodeRoom]:
-        """Every node with the room it has left, read in one round trip."""
-        ids = sorted(await self.redis.smembers(f"{PREFIX}nodes"))
-        now = await self.now()
-        nodes = await self._nodes(ids, now)
-        pipe = self.redis.pipeline(transaction=False)
-        for node in nodes:
-            pipe.zrangebyscore(f"{PREFIX}reserved:{node.node_id}", now, "+inf")
-            pipe.hvals(f"{PREFIX}pending:{node.node_id}")
-        spent = await pipe.execute()
-        rooms = []
-        for index, node in enumerate(nodes):
-            entries = spent[2 * index] + spent[2 * index + 1]
-            memory, vcpus = _room(entries)
-            rooms.append(
-                NodeRoom(
-                    node=node,
-                    memory_mib=node.capacity.memory_mib - node.usage.memory_mib - memory,
-                    vcpus=node.capacity.vcpus - node.usage.vcpus - vcpus,
-                    starting=len(entries),
-                )
-            )
-        return rooms
+    def _room(self, entry: list[Any], now: float) -> NodeRoom | None:
+        """A node entry of the scripts (`_NODE_ENTRY`) as its room; None for an unregistered node."""
+        _, flat, reserved, pending = entry
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if "info" not in fields:
+            return None
+        node = self._node(fields, now)
+        memory, vcpus = _spent(reserved + pending)
+        return NodeRoom(
+            node=node,
+            memory_mib=node.capacity.memory_mib - node.usage.memory_mib - memory,
+            vcpus=node.capacity.vcpus - node.usage.vcpus - vcpus,
+            starting=len(reserved) + len(pending),
+        )
+
+    async def rooms(self, node_ids: list[str] | None = None) -> list[NodeRoom]:
+        """The nodes (all registered ones, or those of `node_ids`) with the room each has left,
+        by id, read in one round trip."""
+        raw = await self._run("rooms", [f"{PREFIX}nodes"], [PREFIX, *(node_ids or [])])
+        now = float(raw[0])
+        rooms = [room for entry in raw[1:] if (room := self._room(entry, now)) is not None]
+        return sorted(rooms, key=lambda r: r.node.node_id)
+
+    async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo | None]:
+        """The sandbox's binding and its node (None if the node left), read in one round trip."""
+        raw = await self._run("locate", [f"{PREFIX}bindings"], [PREFIX, sandbox_id])
+        if not raw:
+            raise NotFound(f"sandbox {sandbox_id} is not bound to any node")
+        room = self._room(raw[2], float(raw[1]))
+        return Binding.model_validate_json(raw[0]), room.node if room is not None else None
 
     async def caching(self, snapshot_id: str) -> set[str]:
         """The ids of the nodes whose last heartbeat listed the template or snapshot as cached."""
@@ -316,12 +385,23 @@ class ClusterState:
     # -- placement -------------------------------------------------------------------------
 
     async def reserve(
-        self, node_id: str, memory_mib: int, vcpus: int, *, allow_draining: bool = False
+        self,
+        node_id: str,
+        memory_mib: int,
+        vcpus: int,
+        *,
+        allow_draining: bool = False,
+        binding: Binding | None = None,
     ) -> bool:
-        """Promise room on the node if it is up (or draining, when allowed) and has it, atomically."""
-        member = f"{secrets.token_hex(8)}:{memory_mib}:{vcpus}"
-        keys = [f"{PREFIX}node:{node_id}", f"{PREFIX}reserved:{node_id}", f"{PREFIX}pending:{node_id}"]
-        args = [member, memory_mib, self.reservation_ttl, self.down_after, int(allow_draining)]
+        """Promise room on the node if it is up (or draining, when allowed) and has it, atomically;
+        with `binding` (a create's, naming its sandbox), record that too. Conflict if the sandbox
+        is bound already."""
+        token = binding.sandbox_id if binding is not None else secrets.token_hex(8)
+        member = f"{token}:{memory_mib}:{vcpus}"
+        keys = [f"{PREFIX}node:{node_id}", f"{PREFIX}reserved:{node_id}", f"{PREFIX}pending:{node_id}",
+                f"{PREFIX}bindings", f"{PREFIX}bound:{node_id}", f"{PREFIX}placing"]  # fmt: skip
+        args = [member, memory_mib, self.reservation_ttl, self.down_after, int(allow_draining), node_id]
+        args += [binding.sandbox_id, binding.model_dump_json()] if binding is not None else ["", ""]
         return bool(await self._run("reserve", keys, args))
 
     # -- bindings --------------------------------------------------------------------------
@@ -331,13 +411,15 @@ class ClusterState:
         reports as paused a sandbox that runs on another node now (it moved: that node is late)."""
         node = binding.node_id
         keys = [f"{PREFIX}bindings", f"{PREFIX}node:{node}", f"{PREFIX}bound:{node}",
-                f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}"]  # fmt: skip
+                f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}", f"{PREFIX}placing"]  # fmt: skip
         args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state]
         await self._run("bind", keys, args)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> bool:
-        """Forget the sandbox if it is bound to `node_id`; whether it was."""
-        return bool(await self._run("unbind", [f"{PREFIX}bindings"], [PREFIX, sandbox_id, node_id]))
+        """Forget the sandbox if it is bound to `node_id` (with its reservation, if its create
+        never ended); whether it was."""
+        keys = [f"{PREFIX}bindings", f"{PREFIX}placing"]
+        return bool(await self._run("unbind", keys, [PREFIX, sandbox_id, node_id]))
 
     async def binding(self, sandbox_id: str) -> Binding:
         raw = await self.redis.hget(f"{PREFIX}bindings", sandbox_id)
@@ -346,10 +428,24 @@ class ClusterState:
         return Binding.model_validate_json(raw)
 
     async def bindings(self, node_id: str | None = None) -> list[Binding]:
+        """All bindings, or those `node_id` answers for: less its creates still under way (placing,
+        their reservation not expired), which it binds itself when they end."""
         if node_id is None:
             raws = list((await self.redis.hgetall(f"{PREFIX}bindings")).values())
         else:
             ids = sorted(await self.redis.smembers(f"{PREFIX}bound:{node_id}"))
-            raws = [raw for raw in (await self.redis.hmget(f"{PREFIX}bindings", ids) if ids else []) if raw]
-        found = _BINDINGS.validate_json("[" + ",".join(raws) + "]")
-        return sorted(found, key=lambda b: b.sandbox_id)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.time()
+            pipe.hmget(f"{PREFIX}bindings", ids)
+            pipe.hmget(f"{PREFIX}placing", ids)
+            (seconds, micros), found, placing = await pipe.execute() if ids else ((0, 0), [], [])
+            now = seconds + micros / 1e6
+            pairs = zip(found, placing, strict=True)
+            raws = [raw for raw, placed in pairs if raw and not _under_way(placed, now)]
+        bindings = _BINDINGS.validate_json("[" + ",".join(raws) + "]")
+        return sorted(bindings, key=lambda b: b.sandbox_id)
+
+
+def _under_way(placed: str | None, now: float) -> bool:
+    """Whether a `placing` entry is of a create that may still be running (its room reserved)."""
+    return placed is not None and float(placed.split(" ")[1]) > now

@@ -35,6 +35,9 @@ class CreateRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     volume_mounts: list[dict[str, str]] = field(default_factory=list)  # [{"name", "path"}]
+    # The new sandbox's id when the caller chose it (a gateway names a sandbox before placing it,
+    # so the placement records its binding); None: the node makes one.
+    sandbox_id: str | None = None
 
 
 @dataclass(frozen=True)
