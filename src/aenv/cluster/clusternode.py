@@ -28,7 +28,7 @@ from dataclasses import fields, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from ..orchestrator.errors import NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
@@ -70,7 +70,7 @@ def _rendezvous(key: str, nodes: Iterable[NodeInfo]) -> list[NodeInfo]:
 class ClusterNode:
     """`NodeService` over the scheduler's nodes; `client` reaches them (`remote.cluster_client`)."""
 
-    def __init__(self, scheduler: Scheduler, client: httpx.AsyncClient):
+    def __init__(self, scheduler: Scheduler, client: aiohttp.ClientSession):
         self.scheduler = scheduler
         self.client = client
 
