@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import dataplane, density, figures, loaded, soak, templates
+from . import cluster, dataplane, density, figures, loaded, soak, templates
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
@@ -46,6 +46,7 @@ MEASURES: dict[str, Measure] = {
     "density": density.density,
     "soak": soak.soak,
     "template-build": templates.template_build,
+    "cluster": cluster.cluster,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
 _BASE_FLOORED = {"create", "pause", "resume", "resume-released", "snapshot"}

@@ -28,6 +28,7 @@ FIGURES = (
     "density",
     "soak",
     "template-build",
+    "cluster",
 )
 
 
@@ -95,4 +96,10 @@ TARGETS: dict[str, Target] = {
     "template-build-cached": _ratio("median", "<=", 1.5),
     # floor: creates from `base` in the same run: a built template's creates must cost the same
     "template-build-create": _ratio("median", "<=", 1.2),
+    # floor: creates on the node's own API, alternating with these (issue 12: overhead <= 1.2x)
+    "cluster-create": _ratio("median", "<=", 1.2),
+    # floor: the same walk over all pages on one node holding all the sandboxes
+    "cluster-list": _ratio("median", "<=", 2.0),
+    # floor: the same creates straight to one node, as many in flight
+    "cluster-placement": _ratio("median", ">=", 0.25),
 }

@@ -49,7 +49,7 @@ def service_env(**settings: object) -> dict[str, str]:
     return env
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, what: str) -> None:
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, what: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         if process.poll() is not None:
@@ -132,7 +132,7 @@ def scheduler_process(
         process = subprocess.Popen([*_LAUNCH, "scheduler"], env=env, stderr=sink, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, process, log, "aenv scheduler")
+        wait_healthy(url, process, log, "aenv scheduler")
         yield url
     finally:
         stop(process)
@@ -168,7 +168,7 @@ class GatewayProcess:
             self.proc = subprocess.Popen(
                 [*_LAUNCH, "gateway"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        _wait_healthy(self.url, self.proc, self.log_path, f"aenv gateway on {self.url}")
+        wait_healthy(self.url, self.proc, self.log_path, f"aenv gateway on {self.url}")
 
     def log_tail(self) -> str:
         return log_tail(self.log_path)

@@ -147,7 +147,9 @@ class FakeNode:
         return self._get(sandbox_id)
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        return [r for r in self.sandboxes.values() if matches(r, query)]
+        """In a node's order (start time, newest first unless asc, then id), which paging needs."""
+        found = sorted((r for r in self.sandboxes.values() if matches(r, query)), key=lambda r: r.sandbox_id)
+        return sorted(found, key=lambda r: r.started_at, reverse=query.order == "desc")
 
     async def kill(self, sandbox_id: str) -> None:
         self.sandboxes.pop(self._get(sandbox_id).sandbox_id)
