@@ -139,6 +139,7 @@ async def test_a_full_node_or_one_without_the_template_passes_the_create_on(clus
     cluster.nodes["nb"].full = True
     full = await cluster.gateway.post("/sandboxes", json={"templateID": "base1"})
     assert full.status_code == 503 and "full" in full.json()["message"]
+    assert set(cluster.scheduler.bound) == set(created)  # every failed attempt let go of its binding
 
 
 async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster: Cluster) -> None:
