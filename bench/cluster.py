@@ -36,7 +36,15 @@ from pathlib import Path
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.cluster.client import SchedulerClient
 from aenv.config import Settings
-from aenv.devcluster import GatewayProcess, RedisServer, redis_server, scheduler_process, stop, wait_healthy
+from aenv.devcluster import (
+    ClusterProcess,
+    RedisServer,
+    gateway,
+    redis_server,
+    scheduler_process,
+    stop,
+    wait_healthy,
+)
 from aenv.devnode import DevNode, free_port
 
 from .client import NodeClient
@@ -71,17 +79,13 @@ async def cluster(ctx: Context) -> list[Row]:
 
 
 @contextlib.contextmanager
-def _control_plane(redis: RedisServer, workdir: Path, name: str) -> Iterator[tuple[str, GatewayProcess, str]]:
+def _control_plane(redis: RedisServer, workdir: Path, name: str) -> Iterator[tuple[str, ClusterProcess, str]]:
     """A scheduler and a gateway in front of it: the scheduler's URL, the gateway, the secret."""
     secret = secrets.token_hex(16)
-    with (
-        scheduler_process(redis.url, workdir / f"{name}-scheduler.log", secret) as scheduler,
-        GatewayProcess.on_free_port(
-            workdir / f"{name}-gateway.log", api_key="e2b_" + secrets.token_hex(20), cluster_secret=secret,
-            scheduler_url=scheduler,
-        ) as gateway,
-    ):  # fmt: skip
-        yield scheduler, gateway, secret
+    with scheduler_process(redis.url, workdir / f"{name}-scheduler.log", secret) as scheduler:
+        key = "e2b_" + secrets.token_hex(20)
+        with gateway(scheduler, workdir / f"{name}-gateway.log", secret, key) as front:
+            yield scheduler, front, secret
 
 
 async def _joined(scheduler: SchedulerClient, count: int) -> None:
@@ -98,7 +102,7 @@ async def _joined(scheduler: SchedulerClient, count: int) -> None:
 
 async def _create_rows(ctx: Context, redis: RedisServer, workdir: Path) -> list[Row]:
     assert ctx.node.home is not None
-    with _control_plane(redis, workdir, "real") as (scheduler_url, gateway, secret):
+    with _control_plane(redis, workdir, "real") as (scheduler_url, front, secret):
         dev = DevNode(
             workdir / "node", slot_first=SLOT_FIRST, slot_count=SLOT_COUNT, seed=ctx.node.home,
             log_path=workdir / "node.log", shutdown_action="kill", default_timeout=DEFAULT_TIMEOUT,
@@ -112,7 +116,7 @@ async def _create_rows(ctx: Context, redis: RedisServer, workdir: Path) -> list[
                 await scheduler.close()
             node = Node(dev.url, dev.key, home=dev.home, pid=dev.pid, warm_pool=Settings.warm_pool_size)
             direct = NodeClient(node, headers={CLUSTER_SECRET_HEADER: secret})
-            through = NodeClient(Node(gateway.url, gateway.key))
+            through = NodeClient(Node(front.url, front.key))
             try:
                 samples = await _alternating_creates(ctx, node, {"direct": direct, "gateway": through})
             finally:
@@ -183,13 +187,13 @@ def _light_node(workdir: Path, name: str, key: str, secret: str, scheduler: str 
 async def _light_rows(ctx: Context, redis: RedisServer, workdir: Path) -> list[Row]:
     count = ctx.plan.cluster_sandboxes
     with contextlib.ExitStack() as stack:
-        scheduler_url, gateway, secret = stack.enter_context(_control_plane(redis, workdir, "light"))
+        scheduler_url, front, secret = stack.enter_context(_control_plane(redis, workdir, "light"))
         node_key = "e2b_" + secrets.token_hex(20)
         for i in range(LIGHT_NODES):
             stack.enter_context(_light_node(workdir, f"light{i}", node_key, secret, scheduler_url))
         floor_url = stack.enter_context(_light_node(workdir, "floor", node_key, secret, None))
         scheduler = SchedulerClient(scheduler_url, secret)
-        through = NodeClient(Node(gateway.url, gateway.key), max_connections=CONCURRENCY)
+        through = NodeClient(Node(front.url, front.key), max_connections=CONCURRENCY)
         floor = NodeClient(
             Node(floor_url, node_key), max_connections=CONCURRENCY, headers={CLUSTER_SECRET_HEADER: secret}
         )

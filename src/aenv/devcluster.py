@@ -1,8 +1,9 @@
 """A throwaway cluster's processes, for tests, benchmarks and demos: Redis, `aenv scheduler` and
 `aenv gateway` (nodes are `aenv.devnode.DevNode`s with `scheduler_url` set).
 
-Each runs on a free loopback port with its files in a directory of the caller's, waits until it
-answers, and is stopped by its pid when its block ends (also when the block fails).
+Each runs on a free loopback port with its files in a directory of the caller's, is ready once
+it answers, and is stopped by its pid (also when the block that started it fails); a scheduler
+or gateway can be crashed and started again on the same port.
 """
 
 from __future__ import annotations
@@ -44,9 +45,7 @@ def service_env(**settings: object) -> dict[str, str]:
     """The environment of a cluster service of this package: the caller's, less its AENV_ and
     E2B_ variables, plus `settings` as `AENV_<NAME>`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
-    env["PYTHONPATH"] = str(_PACKAGE_ROOT)
-    env.update({f"AENV_{name.upper()}": str(value) for name, value in settings.items() if value is not None})
-    return env
+    return env | {"PYTHONPATH": str(_PACKAGE_ROOT)} | _settings(**settings)
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path, what: str) -> None:
@@ -118,75 +117,68 @@ def _wait_redis(server: RedisServer, process: subprocess.Popen[bytes], log: Path
                 time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def scheduler_process(
-    redis_url: str, log: Path, secret: str | None = None, **settings: object
-) -> Iterator[str]:
-    """`aenv scheduler` until the block ends, yielding its URL once `/health` answers 200;
-    `settings` become its `AENV_<NAME>` variables. It must exit cleanly on SIGTERM."""
-    port = free_port()
-    env = service_env(
-        scheduler_addr=f"127.0.0.1:{port}", redis_url=redis_url, cluster_secret=secret, **settings
-    )
-    with log.open("ab") as sink:
-        process = subprocess.Popen([*_LAUNCH, "scheduler"], env=env, stderr=sink, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, log, "aenv scheduler")
-        yield url
-    finally:
-        stop(process)
-    if process.returncode != 0:
-        raise RuntimeError(f"aenv scheduler exited with {process.returncode}:\n{log_tail(log)}")
-
-
 @dataclass
-class GatewayProcess:
-    """`aenv gateway` as a subprocess on `port`, with `settings` as its `AENV_<NAME>` variables
-    (api_key, cluster_secret, scheduler_url), its log in `log_path`."""
+class ClusterProcess:
+    """`aenv <command>` (scheduler or gateway) on `port` with `env` on top of this host's
+    settings, its output appended to `log_path`; restartable on the same port after a crash, as
+    an operator's supervisor would restart it. `key` is the API key a gateway takes."""
 
-    settings: dict[str, object]
+    command: str
+    env: dict[str, str]
     port: int
     log_path: Path
+    key: str = ""
     proc: subprocess.Popen[bytes] | None = None
-
-    @classmethod
-    def on_free_port(cls, log_path: Path, **settings: object) -> GatewayProcess:
-        return cls(settings, free_port(), log_path)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def key(self) -> str:
-        return str(self.settings.get("api_key", ""))
+    def domain(self) -> str:
+        """Sandbox hosts a gateway hands out are `{port}-{id}.{domain}`."""
+        return f"localhost:{self.port}"
 
     def start(self) -> None:
-        env = service_env(**self.settings, gateway_addr=f"127.0.0.1:{self.port}", log_level="INFO")
+        """Start (again) and wait until `/health` answers."""
+        env = service_env(log_level="INFO") | self.env
         with self.log_path.open("ab") as log:
+            log.write(f"\n==== aenv {self.command} starts ====\n".encode())
+            log.flush()
             self.proc = subprocess.Popen(
-                [*_LAUNCH, "gateway"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [*_LAUNCH, self.command],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        wait_healthy(self.url, self.proc, self.log_path, f"aenv gateway on {self.url}")
+        wait_healthy(self.url, self.proc, self.log_path, f"aenv {self.command}")
 
-    def log_tail(self) -> str:
-        return log_tail(self.log_path)
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
 
     def sigkill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Crash it: no chance to finish anything."""
+        if self.proc is not None and self.alive():
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(30)
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 30 s; its exit code (None if it was never started)."""
+        if self.proc is None:
+            return None
+        if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.sigkill()
+        return self.proc.returncode
 
-    def __enter__(self) -> GatewayProcess:
+    def __enter__(self) -> ClusterProcess:
         try:
             self.start()
         except BaseException:
@@ -196,3 +188,44 @@ class GatewayProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _settings(**settings: object) -> dict[str, str]:
+    return {f"AENV_{name.upper()}": str(value) for name, value in settings.items() if value is not None}
+
+
+def scheduler(
+    redis_url: str, log_path: Path, secret: str | None = None, **settings: object
+) -> ClusterProcess:
+    """`aenv scheduler` on a free port with the given Redis (not started); `settings` are more of
+    its `AENV_<NAME>` variables (`node_down_after=4`)."""
+    port = free_port()
+    env = _settings(
+        scheduler_addr=f"127.0.0.1:{port}", redis_url=redis_url, cluster_secret=secret, **settings
+    )
+    return ClusterProcess("scheduler", env, port, log_path)
+
+
+def gateway(scheduler_url: str, log_path: Path, secret: str, key: str) -> ClusterProcess:
+    """`aenv gateway` on a free port in front of the scheduler (not started)."""
+    port = free_port()
+    env = _settings(
+        gateway_addr=f"127.0.0.1:{port}", api_key=key, cluster_secret=secret, scheduler_url=scheduler_url
+    )
+    return ClusterProcess("gateway", env, port, log_path, key)
+
+
+@contextlib.contextmanager
+def scheduler_process(
+    redis_url: str, log: Path, secret: str | None = None, **settings: object
+) -> Iterator[str]:
+    """`aenv scheduler` until the block ends, yielding its URL once `/health` answers. It must exit
+    cleanly on SIGTERM, or the block fails."""
+    process = scheduler(redis_url, log, secret, **settings)
+    try:
+        process.start()
+        yield process.url
+    finally:
+        code = process.stop()
+    if code != 0:
+        raise RuntimeError(f"aenv scheduler exited with {code}:\n{process.log_tail()}")

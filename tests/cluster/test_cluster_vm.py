@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
-from aenv.devcluster import GatewayProcess, RedisServer, scheduler_process
+from aenv.devcluster import ClusterProcess, RedisServer, gateway, scheduler_process
 from aenv.devnode import DevNode
 from tests.e2e.conftest import wait_until
 from tests.e2e.test_js_sdk import SCRIPT, installed_sdk, run_script
@@ -37,7 +37,7 @@ DOWN_AFTER = 4.0  # seconds of silence before the scheduler has a node down
 
 @dataclass
 class Cluster:
-    gateways: list[GatewayProcess]
+    gateways: list[ClusterProcess]
     nodes: dict[str, DevNode]  # by node id
     key: str
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -75,12 +75,7 @@ def cluster(
         scheduler = stack.enter_context(
             scheduler_process(redis_session.url, root / "scheduler.log", secret, node_down_after=DOWN_AFTER)
         )
-        gateways = [
-            GatewayProcess.on_free_port(
-                root / f"gateway{i}.log", api_key=key, cluster_secret=secret, scheduler_url=scheduler
-            )
-            for i in range(2)
-        ]
+        gateways = [gateway(scheduler, root / f"gateway{i}.log", secret, key) for i in range(2)]
         nodes = [
             DevNode(
                 root / f"node{i}",
