@@ -96,10 +96,20 @@ def catalog_name(reference: str) -> str:
 SANDBOX_ID = re.compile(r"i[a-z0-9]{20}")
 
 
+ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
 def new_sandbox_id() -> str:
-    """`i` + 20 characters of [a-z0-9], as E2B's: no dashes or dots, which would break host routing."""
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return "i" + "".join(secrets.choice(alphabet) for _ in range(20))
+    """`i` + 20 characters of [a-z0-9], as E2B's: no dashes or dots, which would break host routing.
+
+    Drawn from one 128-bit random number (one getrandom call, not one per character: a create
+    through a gateway makes an id, and twenty calls cost it 0.2 ms under load)."""
+    value = int.from_bytes(secrets.token_bytes(16))
+    characters = []
+    for _ in range(20):
+        value, digit = divmod(value, len(ID_ALPHABET))
+        characters.append(ID_ALPHABET[digit])
+    return "i" + "".join(characters)
 
 
 def chosen_id(request: CreateRequest) -> str:
