@@ -101,5 +101,5 @@ TARGETS: dict[str, Target] = {
     # floor: the same walk over all pages on one node holding all the sandboxes
     "cluster-list": _ratio("median", "<=", 2.0),
     # floor: the same creates straight to one node, as many in flight
-    "cluster-placement": _ratio("median", ">=", 0.25),
+    "cluster-placement": _ratio("median", ">=", 0.5),
 }
