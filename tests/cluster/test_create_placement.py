@@ -10,13 +10,17 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from aenv.cluster.model import Binding, Placement
+from aenv.cluster.clusternode import ClusterNode
+from aenv.cluster.model import Binding, NodeInfo, Placement
 from aenv.cluster.scheduler import ClusterScheduler
 from aenv.cluster.state import ClusterState
 from aenv.orchestrator.errors import Conflict, InvalidRequest, NotFound
 from aenv.orchestrator.interface import CreateRequest
 from aenv.orchestrator.service import SANDBOX_ID, chosen_id
+from aenv.orchestrator.store import SandboxRecord
+from tests.orchestrator.conftest import record
 
+from .fakes import FakeScheduler, node_info
 from .test_placement import GIB, node
 
 # On the session's loop, as the Redis fixtures.
@@ -108,3 +112,23 @@ def test_a_node_takes_the_id_a_gateway_chose_and_nothing_else() -> None:
     for bad in ("../etc", "I" + "a" * 20, "i" + "a" * 21, ""):
         with pytest.raises(InvalidRequest):
             chosen_id(CreateRequest(template="base", sandbox_id=bad))
+
+
+@on_session_loop
+async def test_a_node_that_names_its_own_sandbox_gets_that_one_bound() -> None:
+    """A node of an older version ignores the id the gateway chose: its own is what is bound."""
+
+    class OlderNode:
+        async def create(self, request: CreateRequest) -> SandboxRecord:
+            return record(sandbox_id="i" + "b" * 20, template_id=request.template)
+
+    class Cluster(ClusterNode):
+        def remote(self, info: NodeInfo) -> OlderNode:  # type: ignore[override]
+            return OlderNode()
+
+    scheduler = FakeScheduler()
+    await scheduler.register(node_info("na", "http://na"))
+    created = await Cluster(scheduler, None).create(CreateRequest(template="base"))  # type: ignore[arg-type]
+    assert (
+        set(scheduler.bound) == {created.sandbox_id} and scheduler.bound[created.sandbox_id].node_id == "na"
+    )

@@ -146,7 +146,7 @@ class ClusterNode:
                     raise
                 raise failure from None
             try:
-                return await self.remote(info).create(attempt)
+                record = await self.remote(info).create(attempt)
             except (Unavailable, NotFound) as exc:
                 log.info("node %s did not create from %s: %s", info.node_id, request.template, exc.message)
                 refused.append(info.node_id)
@@ -155,6 +155,11 @@ class ClusterNode:
             except BaseException:
                 await asyncio.shield(self._release(placement, info))
                 raise
+            else:
+                if record.sandbox_id != attempt.sandbox_id:  # a node of a version that names its own
+                    await self._release(placement, info)
+                    await self._bind(record, info.node_id)
+                return record
         assert failure is not None
         raise failure
 
