@@ -149,7 +149,7 @@ class FakeNode:
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
         """In a node's order (start time, newest first unless asc, then id), which paging needs."""
         found = sorted((r for r in self.sandboxes.values() if matches(r, query)), key=lambda r: r.sandbox_id)
-        return sorted(found, key=lambda r: r.started_at, reverse=query.order == "desc")
+        return query.page(sorted(found, key=lambda r: r.started_at, reverse=query.order == "desc"))
 
     async def kill(self, sandbox_id: str) -> None:
         self.sandboxes.pop(self._get(sandbox_id).sandbox_id)

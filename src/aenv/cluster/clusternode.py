@@ -181,12 +181,13 @@ class ClusterNode:
         return (await self.locate(sandbox_id))[1].node_id
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        """Every live node's matches, in a single node's order: start time, then id."""
+        """Every live node's matches, in a single node's order: start time, then id. A paged
+        query's page is each node's page merged, cut to the page again."""
         answers = await self._each_node(lambda n: n.list(query))
         found = [record for _, records in answers for record in records]
         found.sort(key=lambda r: r.sandbox_id)
         found.sort(key=_started, reverse=query.order == "desc")
-        return found
+        return query.page(found)
 
     async def _each_node(self, call: Callable[[RemoteNode], Awaitable[T]]) -> list[tuple[NodeInfo, T]]:
         """`call` on every live node at once; a node that fails is left out (and logged): the
