@@ -22,10 +22,10 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
                                   its binding whose node has not bound the sandbox yet
     aenv:cached:{snapshot}  SET   the node ids that cache a template or snapshot (locality index)
 
-A placement reserves its room (`reserve`); the sandbox's first running bind on that node turns
-the reservation into a pending entry, and the node's next heartbeat, whose usage now counts the
-sandbox, clears the pending entries. A reservation whose create never binds (it failed, its
-gateway died) expires after `RESERVATION_TTL`.
+A placement chooses its node and reserves its room in one script (`place`); the sandbox's first
+running bind on that node turns the reservation into a pending entry, and the node's next
+heartbeat, whose usage now counts the sandbox, clears the pending entries. A reservation whose
+create never binds (it failed, its gateway died) expires after `RESERVATION_TTL`.
 
 A create's placement names the sandbox (the gateway chose its id) and records its binding in the
 same script, so the gateway's create is one scheduler call and the sandbox is locatable from the
@@ -52,7 +52,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from ..orchestrator.errors import Conflict, NotFound
-from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
+from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 
 PREFIX = "aenv:"
 # A create takes seconds (longer under TCG on a loaded host); a reservation outlives it by far,
@@ -102,37 +102,6 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('AENV_NO_NOD
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
 return 1
 """
-
-# KEYS: node hash, reserved zset, pending hash, bindings hash, bound set, placing hash.
-# ARGV: member, memory, ttl, down_after, allow_draining, node id, sandbox id and binding (or '').
-# The room test of `NodeRoom`, made again where nobody else can spend the room meanwhile; a
-# create's placement that names its sandbox records the binding with the reservation.
-_RESERVE = (
-    _NOW
-    + """
-local node = redis.call('HMGET', KEYS[1], 'status', 'heartbeat_at', 'capacity', 'usage')
-if not node[1] then return 0 end
-if node[1] ~= 'up' and not (node[1] == 'draining' and ARGV[5] == '1') then return 0 end
-if now - tonumber(node[2]) > tonumber(ARGV[4]) then return 0 end
-local capacity = cjson.decode(node[3])
-local taken = cjson.decode(node[4]).memory_mib + tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  taken = taken + tonumber(string.match(m, ':(%d+):%d+$'))
-end
-for _, v in ipairs(redis.call('HVALS', KEYS[3])) do taken = taken + tonumber(string.match(v, '^(%d+)')) end
-if capacity.disk_free_mib <= 0 or taken > capacity.memory_mib then return 0 end
-local expiry = now + tonumber(ARGV[3])
-if ARGV[7] ~= '' then
-  if redis.call('HEXISTS', KEYS[4], ARGV[7]) == 1 then return redis.error_reply('AENV_TAKEN ' .. ARGV[7]) end
-  redis.call('HSET', KEYS[4], ARGV[7], ARGV[8])
-  redis.call('SADD', KEYS[5], ARGV[7])
-  redis.call('HSET', KEYS[6], ARGV[7], ARGV[6] .. ' ' .. tostring(expiry) .. ' ' .. ARGV[1])
-end
-redis.call('ZADD', KEYS[2], expiry, ARGV[1])
-return 1
-"""
-)
 
 # KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node),
 # placing hash. ARGV: prefix, sandbox id, binding, node id, state.
@@ -227,6 +196,79 @@ return {raw, tostring(now), node_entry(ARGV[1], cjson.decode(raw).node_id, now)}
 """
 )
 
+# KEYS: nodes set, bindings hash, placing hash. ARGV: prefix, memory, vcpus, ttl, down_after,
+# template's catalog name (or ''), kind, sandbox id (or ''), '1' to bind it (a create), token,
+# template as requested, excluded node ids. Chooses and reserves in one step, so no other
+# placement can spend the room in between: the best node with room (`scheduler` explains the
+# order), or {} when none has.
+_PLACE = (
+    _NOW
+    + _NODE_ENTRY
+    + """
+local prefix, memory = ARGV[1], tonumber(ARGV[2])
+local excluded = {}
+for i = 12, #ARGV do excluded[ARGV[i]] = true end
+local home, durable = nil, true
+if ARGV[7] == 'resume' then
+  local raw = redis.call('HGET', KEYS[2], ARGV[8])
+  if not raw then return redis.error_reply('AENV_UNBOUND ' .. ARGV[8]) end
+  local bound = cjson.decode(raw)
+  home, durable = bound.node_id, bound.durable
+end
+local function before(a, b)
+  for i = 1, #a do if a[i] ~= b[i] then return a[i] < b[i] end end
+  return false
+end
+local best, best_key = nil, nil
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local f = redis.call('HMGET', prefix .. 'node:' .. id, 'status', 'heartbeat_at', 'capacity', 'usage',
+    'cached')
+  if f[1] and not excluded[id] then
+    local status = f[1]
+    if now - tonumber(f[2]) > tonumber(ARGV[5]) then status = 'down' end
+    local capacity, usage = cjson.decode(f[3]), cjson.decode(f[4])
+    local reserved = redis.call('ZRANGEBYSCORE', prefix .. 'reserved:' .. id, now, '+inf')
+    local pending = redis.call('HVALS', prefix .. 'pending:' .. id)
+    local memory_spent, vcpus_spent = 0, 0
+    for _, entry in ipairs(reserved) do
+      local m, c = string.match(entry, ':(%d+):(%d+)$')
+      memory_spent, vcpus_spent = memory_spent + m, vcpus_spent + c
+    end
+    for _, entry in ipairs(pending) do
+      local m, c = string.match(entry, '^(%d+):(%d+)$')
+      memory_spent, vcpus_spent = memory_spent + m, vcpus_spent + c
+    end
+    local free = capacity.memory_mib - usage.memory_mib - memory_spent
+    local eligible = status == 'up' and durable
+    if id == home then eligible = status == 'up' or (not durable and status == 'draining') end
+    if eligible and capacity.disk_free_mib > 0 and free >= memory then
+      local cached = ARGV[6] == ''
+      for _, name in ipairs(cjson.decode(f[5])) do cached = cached or name == ARGV[6] end
+      local key = {id == home and 0 or 1, cached and 0 or 1, usage.running + #reserved + #pending, -free,
+        -(capacity.vcpus - usage.vcpus - vcpus_spent)}
+      if best == nil or before(key, best_key) or (not before(best_key, key) and id < best) then
+        best, best_key = id, key
+      end
+    end
+  end
+end
+if not best then return {} end
+local member = ARGV[10] .. ':' .. ARGV[2] .. ':' .. ARGV[3]
+local expiry = now + tonumber(ARGV[4])
+if ARGV[9] ~= '' then
+  if redis.call('HEXISTS', KEYS[2], ARGV[8]) == 1 then return redis.error_reply('AENV_TAKEN ' .. ARGV[8]) end
+  local binding = {sandbox_id = ARGV[8], node_id = best, state = 'running', template_id = ARGV[11],
+    durable = false}
+  redis.call('HSET', KEYS[2], ARGV[8], cjson.encode(binding))
+  redis.call('SADD', prefix .. 'bound:' .. best, ARGV[8])
+  redis.call('HSET', KEYS[3], ARGV[8], best .. ' ' .. tostring(expiry) .. ' ' .. member)
+end
+redis.call('ZREMRANGEBYSCORE', prefix .. 'reserved:' .. best, '-inf', now)
+redis.call('ZADD', prefix .. 'reserved:' .. best, expiry, member)
+return {tostring(now), node_entry(prefix, best, now)}
+"""
+)
+
 _BINDINGS = TypeAdapter(list[Binding])
 
 
@@ -239,9 +281,6 @@ class NodeRoom:
     memory_mib: int
     vcpus: int
     starting: int
-
-    def fits(self, memory_mib: int) -> bool:
-        return self.node.capacity.disk_free_mib > 0 and self.memory_mib >= memory_mib
 
 
 def _spent(entries: list[str]) -> tuple[int, int]:
@@ -263,7 +302,7 @@ class ClusterState:
                 "register": _REGISTER,
                 "heartbeat": _HEARTBEAT,
                 "set_status": _SET_STATUS,
-                "reserve": _RESERVE,
+                "place": _PLACE,
                 "bind": _BIND,
                 "unbind": _UNBIND,
                 "rooms": _ROOMS,
@@ -290,6 +329,8 @@ class ClusterState:
                 raise Conflict(f"sandbox {ids[0]} runs on node {ids[1]} now") from None
             if reason == "AENV_TAKEN":
                 raise Conflict(f"sandbox {ids[0]} is bound already") from None
+            if reason == "AENV_UNBOUND":
+                raise NotFound(f"sandbox {ids[0]} is not bound to any node") from None
             raise
 
     # -- nodes -----------------------------------------------------------------------------
@@ -384,25 +425,23 @@ class ClusterState:
 
     # -- placement -------------------------------------------------------------------------
 
-    async def reserve(
-        self,
-        node_id: str,
-        memory_mib: int,
-        vcpus: int,
-        *,
-        allow_draining: bool = False,
-        binding: Binding | None = None,
-    ) -> bool:
-        """Promise room on the node if it is up (or draining, when allowed) and has it, atomically;
-        with `binding` (a create's, naming its sandbox), record that too. Conflict if the sandbox
-        is bound already."""
-        token = binding.sandbox_id if binding is not None else secrets.token_hex(8)
-        member = f"{token}:{memory_mib}:{vcpus}"
-        keys = [f"{PREFIX}node:{node_id}", f"{PREFIX}reserved:{node_id}", f"{PREFIX}pending:{node_id}",
-                f"{PREFIX}bindings", f"{PREFIX}bound:{node_id}", f"{PREFIX}placing"]  # fmt: skip
-        args = [member, memory_mib, self.reservation_ttl, self.down_after, int(allow_draining), node_id]
-        args += [binding.sandbox_id, binding.model_dump_json()] if binding is not None else ["", ""]
-        return bool(await self._run("reserve", keys, args))
+    async def place(self, request: Placement, template: str) -> NodeInfo | None:
+        """Choose a node for the request and reserve its room there, atomically (see `_PLACE`); a
+        create that names its sandbox is bound there in the same step. `template` is the
+        request's as the nodes' caches name it. None when no node has room; Conflict if the
+        sandbox is bound already; NotFound for a resume of an unbound one."""
+        named = request.kind == "create" and bool(request.sandbox_id)
+        token = request.sandbox_id if named else secrets.token_hex(8)
+        keys = [f"{PREFIX}nodes", f"{PREFIX}bindings", f"{PREFIX}placing"]
+        args = [PREFIX, request.memory_mib, request.vcpus, self.reservation_ttl, self.down_after, template,
+                request.kind, request.sandbox_id or "", "1" if named else "", token, request.template,
+                *request.exclude]  # fmt: skip
+        raw = await self._run("place", keys, args)
+        if not raw:
+            return None
+        room = self._room(raw[1], float(raw[0]))
+        assert room is not None  # the script chose a registered node
+        return room.node
 
     # -- bindings --------------------------------------------------------------------------
 
