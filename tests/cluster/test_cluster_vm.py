@@ -95,16 +95,16 @@ def cluster(
         try:
             for node in nodes:
                 node.start()
-            for gateway in gateways:
-                gateway.start()
+            for front in gateways:
+                front.start()
             with httpx.Client(base_url=scheduler, headers={CLUSTER_SECRET_HEADER: secret}) as client:
                 ids = wait_until(lambda: _up_nodes(client, len(nodes)), 60, what="the nodes to join")
             by_address = {node.url: node for node in nodes}
             cluster = Cluster(gateways, {i: by_address[a] for i, a in ids.items()}, key)
             yield cluster
         finally:
-            for gateway in gateways:
-                gateway.stop()
+            for front in gateways:
+                front.stop()
             forced = {node.home.name: node.cleanup() for node in nodes}
             print(f"\ncluster logs in {root}; cleaned up by force: {forced}", file=sys.stderr)
     # Nothing leaked: only a node a test crashed left anything to clean up by force.
