@@ -24,11 +24,11 @@ from .node import DEFAULT_TIMEOUT, BenchError, Node
 class NodeClient:
     """One httpx client for the API and the proxy; sandboxes are the JSON the API returns."""
 
-    def __init__(self, node: Node, *, max_connections: int = 64):
+    def __init__(self, node: Node, *, max_connections: int = 64, headers: dict[str, str] | None = None):
         self.node = node
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.http = httpx.AsyncClient(
-            base_url=node.url, headers={"X-API-Key": node.api_key}, limits=limits,
+            base_url=node.url, headers={"X-API-Key": node.api_key, **(headers or {})}, limits=limits,
             timeout=httpx.Timeout(600.0, connect=30.0),
         )  # fmt: skip
 

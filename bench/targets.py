@@ -29,6 +29,7 @@ FIGURES = (
     "soak",
     "template-build",
     "storage",
+    "cluster",
 )
 
 
@@ -98,4 +99,10 @@ TARGETS: dict[str, Target] = {
     "template-build-create": _ratio("median", "<=", 1.2),
     # floor: the same cold create on a node that fetches every blob whole before the start
     "storage": _ratio("median", "<=", 1.0),
+    # floor: creates on the node's own API, alternating with these (issue 12: overhead <= 1.2x)
+    "cluster-create": _ratio("median", "<=", 1.2),
+    # floor: the same walk over all pages on one node holding all the sandboxes
+    "cluster-list": _ratio("median", "<=", 2.0),
+    # floor: the same creates straight to one node, as many in flight
+    "cluster-placement": _ratio("median", ">=", 0.5),
 }

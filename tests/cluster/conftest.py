@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .redis_server import RedisServer, redis_server
+from aenv.devcluster import RedisServer, redis_server
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,8 @@ class FakeScheduler:
                 load[binding.node_id] += 1
         chosen = min(candidates, key=lambda n: (load[n.node_id], n.node_id))
         self.placements.append(chosen.node_id)
+        if request.kind == "create" and request.sandbox_id:
+            await self.bind(Binding(sandbox_id=request.sandbox_id, node_id=chosen.node_id))
         return chosen
 
     async def bind(self, binding: Binding) -> None:
@@ -134,8 +136,9 @@ class FakeNode:
             raise NotFound(f"template '{request.template}' not found")
         started = f"2026-01-01T00:00:{next(_ids) % 60:02d}+00:00"
         sandbox = record(
-            sandbox_id=f"s{self.node_id}{next(_ids)}", started_at=started, template_id=request.template,
-            metadata=request.metadata, env_vars=request.env_vars, envd_token="envd-token",
+            sandbox_id=request.sandbox_id or f"s{self.node_id}{next(_ids)}", started_at=started,
+            template_id=request.template, metadata=request.metadata, env_vars=request.env_vars,
+            envd_token="envd-token",
         )  # fmt: skip
         self.sandboxes[sandbox.sandbox_id] = sandbox
         return sandbox
@@ -144,7 +147,9 @@ class FakeNode:
         return self._get(sandbox_id)
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        return [r for r in self.sandboxes.values() if matches(r, query)]
+        """In a node's order (start time, newest first unless asc, then id), which paging needs."""
+        found = sorted((r for r in self.sandboxes.values() if matches(r, query)), key=lambda r: r.sandbox_id)
+        return query.page(sorted(found, key=lambda r: r.started_at, reverse=query.order == "desc"))
 
     async def kill(self, sandbox_id: str) -> None:
         self.sandboxes.pop(self._get(sandbox_id).sandbox_id)

@@ -11,8 +11,8 @@ import pytest
 
 from aenv.cli import main
 from aenv.cluster.client import SchedulerClient
+from aenv.devcluster import scheduler_process
 
-from .scheduler_process import scheduler_process
 from .test_placement import node
 
 SECRET = "cli-secret"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -23,9 +21,8 @@ import httpx
 import pytest
 
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
-from aenv.devnode import DevNode, free_port
-from tests.cluster.redis_server import RedisServer
-from tests.cluster.scheduler_process import scheduler_process
+from aenv.devcluster import ClusterProcess, RedisServer, gateway, scheduler_process
+from aenv.devnode import DevNode
 from tests.e2e.conftest import wait_until
 from tests.e2e.test_js_sdk import SCRIPT, installed_sdk, run_script
 
@@ -36,65 +33,11 @@ SLOT_FIRST = 14848
 SLOT_COUNT = 128
 HEARTBEAT = 0.5  # seconds between a node's heartbeats
 DOWN_AFTER = 4.0  # seconds of silence before the scheduler has a node down
-_LAUNCH = ["setpriv", "--pdeathsig", "TERM", "--", sys.executable, "-m", "aenv.cli"]
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "src"
-
-
-@dataclass
-class Gateway:
-    """`aenv gateway` as a subprocess, its log in `log_path`."""
-
-    env: dict[str, str]
-    port: int
-    log_path: Path
-    key: str = ""
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AENV_", "E2B_"))}
-        env.update(self.env, PYTHONPATH=str(_PACKAGE_ROOT), AENV_LOG_LEVEL="INFO")
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*_LAUNCH, "gateway"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        wait_until(self._healthy, 60, what=f"aenv gateway on {self.url}:\n{self.log_tail()}")
-
-    def _healthy(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"aenv gateway exited:\n{self.log_tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(self.url + "/health", timeout=2).status_code < 300
-        return False
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
-
-    def sigkill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.sigkill()
 
 
 @dataclass
 class Cluster:
-    gateways: list[Gateway]
+    gateways: list[ClusterProcess]
     nodes: dict[str, DevNode]  # by node id
     key: str
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -129,24 +72,10 @@ def cluster(
     root = tmp_path_factory.mktemp("aenv-cluster")
     secret, key = secrets.token_hex(16), "e2b_" + secrets.token_hex(20)
     with contextlib.ExitStack() as stack:
-        mp = stack.enter_context(pytest.MonkeyPatch.context())
-        mp.setenv("AENV_NODE_DOWN_AFTER", str(DOWN_AFTER))
-        scheduler = stack.enter_context(scheduler_process(redis_session.url, root / "scheduler.log", secret))
-        mp.delenv("AENV_NODE_DOWN_AFTER")
-        gateways = [
-            Gateway(
-                {
-                    "AENV_GATEWAY_ADDR": f"127.0.0.1:{port}",
-                    "AENV_API_KEY": key,
-                    "AENV_CLUSTER_SECRET": secret,
-                    "AENV_SCHEDULER_URL": scheduler,
-                },
-                port,
-                root / f"gateway{i}.log",
-                key,
-            )
-            for i, port in enumerate((free_port(), free_port()))
-        ]
+        scheduler = stack.enter_context(
+            scheduler_process(redis_session.url, root / "scheduler.log", secret, node_down_after=DOWN_AFTER)
+        )
+        gateways = [gateway(scheduler, root / f"gateway{i}.log", secret, key) for i in range(2)]
         nodes = [
             DevNode(
                 root / f"node{i}",
@@ -166,16 +95,16 @@ def cluster(
         try:
             for node in nodes:
                 node.start()
-            for gateway in gateways:
-                gateway.start()
+            for front in gateways:
+                front.start()
             with httpx.Client(base_url=scheduler, headers={CLUSTER_SECRET_HEADER: secret}) as client:
                 ids = wait_until(lambda: _up_nodes(client, len(nodes)), 60, what="the nodes to join")
             by_address = {node.url: node for node in nodes}
             cluster = Cluster(gateways, {i: by_address[a] for i, a in ids.items()}, key)
             yield cluster
         finally:
-            for gateway in gateways:
-                gateway.stop()
+            for front in gateways:
+                front.stop()
             forced = {node.home.name: node.cleanup() for node in nodes}
             print(f"\ncluster logs in {root}; cleaned up by force: {forced}", file=sys.stderr)
     # Nothing leaked: only a node a test crashed left anything to clean up by force.

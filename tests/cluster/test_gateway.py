@@ -139,6 +139,7 @@ async def test_a_full_node_or_one_without_the_template_passes_the_create_on(clus
     cluster.nodes["nb"].full = True
     full = await cluster.gateway.post("/sandboxes", json={"templateID": "base1"})
     assert full.status_code == 503 and "full" in full.json()["message"]
+    assert set(cluster.scheduler.bound) == set(created)  # every failed attempt let go of its binding
 
 
 async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster: Cluster) -> None:
@@ -241,24 +242,30 @@ async def test_a_node_without_a_cluster_secret_has_no_internal_route() -> None:
 
 
 async def test_remote_node_errors_come_back_typed() -> None:
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.host == "down":
-            raise httpx.ConnectError("connection refused")
-        if request.url.host == "stranger":
-            return httpx.Response(401, json={"code": 401, "message": "wrong secret"})
-        return httpx.Response(409, json={"code": 409, "message": "busy", "error_code": "sandbox_busy"})
+    async def answer(request: web.Request) -> web.Response:
+        if request.path.startswith("/stranger/"):
+            return web.json_response({"code": 401, "message": "wrong secret"}, status=401)
+        return web.json_response({"code": 409, "message": "busy", "error_code": "sandbox_busy"}, status=409)
 
-    client = cluster_client(SECRET, transport=httpx.MockTransport(answer))
-    with pytest.raises(Unavailable, match="node n1 at http://down is unreachable"):
-        await RemoteNode("n1", "http://down", client).get("abc")
-    with pytest.raises(OperationFailed, match="refused the gateway's credentials"):
-        await RemoteNode("n2", "http://stranger", client).get("abc")
-    with pytest.raises(Conflict) as conflict:
-        await RemoteNode("n3", "http://busy", client).pause("abc")
-    assert conflict.value.error_code == "sandbox_busy"
-    with pytest.raises(NotFound):
-        await RemoteNode("n3", "http://busy", client)._call("no_such_call")
-    await client.aclose()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    server = await serve(app)
+    url = str(server.make_url("")).rstrip("/")
+    client = cluster_client(SECRET)
+    try:
+        down = f"http://127.0.0.1:{free_port()}"
+        with pytest.raises(Unavailable, match=f"node n1 at {down} is unreachable"):
+            await RemoteNode("n1", down, client).get("abc")
+        with pytest.raises(OperationFailed, match="refused the gateway's credentials"):
+            await RemoteNode("n2", f"{url}/stranger", client).get("abc")
+        with pytest.raises(Conflict) as conflict:
+            await RemoteNode("n3", url, client).pause("abc")
+        assert conflict.value.error_code == "sandbox_busy"
+        with pytest.raises(NotFound):
+            await RemoteNode("n3", url, client)._call("no_such_call")
+    finally:
+        await client.close()
+        await server.close()
 
 
 # -- the data plane ----------------------------------------------------------------------------

@@ -11,9 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.devcluster import scheduler_process
 from aenv.devnode import DevNode
-
-from .scheduler_process import scheduler_process
 
 pytestmark = pytest.mark.vm
 SLOT_FIRST = 15872  # apart from every other node the suite starts

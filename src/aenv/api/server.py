@@ -17,6 +17,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal, TypeVar, cast
 from urllib.parse import unquote
@@ -39,7 +40,7 @@ from ..orchestrator.errors import (
     SandboxError,
     Unavailable,
 )
-from ..orchestrator.interface import CreateRequest, ListQuery, NodeService
+from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, follows
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
 from ..volumes.store import VolumeStore
@@ -170,6 +171,20 @@ def _int_query(request: web.Request, name: str, *, low: int, high: int) -> int |
     return int(value)
 
 
+def _cursor(request: web.Request) -> tuple[str, str] | None:
+    """The position a `nextToken` names (a time and an id), or None without one."""
+    token = request.query.get("nextToken")
+    if not token:
+        return None
+    try:
+        after = tuple(base64.urlsafe_b64decode(token.encode()).decode().split("__", 1))
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidRequest(f"invalid next token: {exc}") from exc
+    if len(after) != 2:
+        raise InvalidRequest("invalid next token")
+    return after[0], after[1]
+
+
 def _paginate(
     request: web.Request, items: list[Any], key: Callable[[Any], tuple[str, str]], *, ascending: bool = False
 ) -> web.Response:
@@ -178,27 +193,14 @@ def _paginate(
     `items` come sorted by time (newest first unless `ascending`), then by id.
     """
     limit = _int_query(request, "limit", low=1, high=100)
-    token = request.query.get("nextToken")
-    if token:
-        try:
-            after = tuple(base64.urlsafe_b64decode(token.encode()).decode().split("__", 1))
-        except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
-            raise InvalidRequest(f"invalid next token: {exc}") from exc
-        if len(after) != 2:
-            raise InvalidRequest("invalid next token")
-        items = [item for item in items if _after(key(item), after, ascending)]
+    if (after := _cursor(request)) is not None:
+        items = [item for item in items if follows(key(item), after, ascending)]
     page = items if limit is None else items[:limit]
     headers = {}
     if limit is not None and len(items) > limit:
         last = key(page[-1])
         headers["X-Next-Token"] = base64.urlsafe_b64encode(f"{last[0]}__{last[1]}".encode()).decode()
     return web.json_response(page, headers=headers)
-
-
-def _after(position: tuple[str, str], cursor: tuple[str, ...], ascending: bool) -> bool:
-    """Whether an item comes after the cursor: time in the list's order, then id ascending."""
-    later = position[0] > cursor[0] if ascending else position[0] < cursor[0]
-    return later or (position[0] == cursor[0] and position[1] > cursor[1])
 
 
 def _by_start(item: dict[str, Any]) -> tuple[str, str]:
@@ -444,7 +446,9 @@ class NodeAPI:
         return web.json_response([views.listed(r) for r in await self.node.list(query)])
 
     async def list_v2(self, request: web.Request) -> web.Response:
-        query = list_query(request)
+        # The node pages too (one more than the page, so the token is known to be needed).
+        limit = _int_query(request, "limit", low=1, high=100)
+        query = replace(list_query(request), after=_cursor(request), limit=limit and limit + 1)
         listed = [views.listed(r) for r in await self.node.list(query)]
         return _paginate(
             request,

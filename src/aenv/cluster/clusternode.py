@@ -1,8 +1,9 @@
 """`ClusterNode`: the `NodeService` a gateway serves, made of the cluster's nodes.
 
 The HTTP layer (`aenv.api.server.NodeAPI`) does not know it talks to a cluster. A create asks
-the scheduler for a node, creates there and records the binding; when the node cannot take it
-(full, unreachable, or without the template) the next node is asked, the failed ones excluded.
+the scheduler for a node, which records the binding of the sandbox the create names, and creates
+there; when the node cannot take it (full, unreachable, or without the template) the next node
+is asked, the failed ones excluded.
 Every sandbox-scoped call goes to the node the sandbox is bound to; a fork stays on its
 source's node and binds its children there. Lists and the template/snapshot catalog merge what
 the live nodes answer, in the order a single node gives, so the API's paging (`nextToken` is a
@@ -23,11 +24,11 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from ..orchestrator.errors import NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
@@ -39,6 +40,7 @@ from ..orchestrator.interface import (
     NodeStatus,
     Route,
 )
+from ..orchestrator.service import new_sandbox_id
 from ..orchestrator.store import SandboxRecord
 from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
@@ -68,7 +70,7 @@ def _rendezvous(key: str, nodes: Iterable[NodeInfo]) -> list[NodeInfo]:
 class ClusterNode:
     """`NodeService` over the scheduler's nodes; `client` reaches them (`remote.cluster_client`)."""
 
-    def __init__(self, scheduler: Scheduler, client: httpx.AsyncClient):
+    def __init__(self, scheduler: Scheduler, client: aiohttp.ClientSession):
         self.scheduler = scheduler
         self.client = client
 
@@ -126,36 +128,50 @@ class ClusterNode:
 
     async def create(self, request: CreateRequest) -> SandboxRecord:
         """On the scheduler's choice; on a node that is full, unreachable or lacks the template,
-        again on the next choice. The last refusal is the answer when no node is left."""
+        again on the next choice. The last refusal is the answer when no node is left.
+
+        Each attempt names its sandbox (a new id), so the placement records the binding with the
+        reservation and the create costs one scheduler call; an attempt that fails unbinds it,
+        which frees the reservation too. A new id per attempt: a node that failed to answer may
+        have created its sandbox."""
         refused: list[str] = []
         failure: SandboxError | None = None
         for _ in range(MAX_PLACEMENTS):
+            attempt = replace(request, sandbox_id=new_sandbox_id())
+            placement = Placement(template=request.template, sandbox_id=attempt.sandbox_id, exclude=refused)
             try:
-                info = await self.scheduler.place(Placement(template=request.template, exclude=refused))
+                info = await self.scheduler.place(placement)
             except Unavailable:
                 if failure is None:
                     raise
                 raise failure from None
             try:
-                record = await self.remote(info).create(request)
+                record = await self.remote(info).create(attempt)
             except (Unavailable, NotFound) as exc:
                 log.info("node %s did not create from %s: %s", info.node_id, request.template, exc.message)
                 refused.append(info.node_id)
                 failure = exc
-                continue
-            await self._bind_created(record, info)
-            return record
+                await self._release(placement, info)
+            except BaseException:
+                await asyncio.shield(self._release(placement, info))
+                raise
+            else:
+                if record.sandbox_id != attempt.sandbox_id:  # a node of a version that names its own
+                    await self._release(placement, info)
+                    await self._bind(record, info.node_id)
+                return record
         assert failure is not None
         raise failure
 
-    async def _bind_created(self, record: SandboxRecord, info: NodeInfo) -> None:
-        """Bind a new sandbox; one that cannot be bound is killed, not left for nobody to find."""
+    async def _release(self, placement: Placement, info: NodeInfo) -> None:
+        """Free a failed create's binding and room; if the scheduler cannot be told, its
+        reservation expires and the node's reconciliation drops the binding."""
+        assert placement.sandbox_id is not None
         try:
-            await self._bind(record, info.node_id)
-        except BaseException:
-            log.warning("sandbox %s on %s could not be bound: killing it", record.sandbox_id, info.node_id)
-            await asyncio.shield(self.remote(info).kill(record.sandbox_id))
-            raise
+            await self.scheduler.unbind(placement.sandbox_id, info.node_id)
+        except SandboxError as exc:
+            log.warning("releasing the placement of %s on %s failed: %s", placement.sandbox_id, info.node_id,
+                        exc.message)  # fmt: skip
 
     async def get(self, sandbox_id: str) -> SandboxRecord:
         return await self._on_holder(sandbox_id, lambda node, _: node.get(sandbox_id))
@@ -165,12 +181,13 @@ class ClusterNode:
         return (await self.locate(sandbox_id))[1].node_id
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        """Every live node's matches, in a single node's order: start time, then id."""
+        """Every live node's matches, in a single node's order: start time, then id. A paged
+        query's page is each node's page merged, cut to the page again."""
         answers = await self._each_node(lambda n: n.list(query))
         found = [record for _, records in answers for record in records]
         found.sort(key=lambda r: r.sandbox_id)
         found.sort(key=_started, reverse=query.order == "desc")
-        return found
+        return query.page(found)
 
     async def _each_node(self, call: Callable[[RemoteNode], Awaitable[T]]) -> list[tuple[NodeInfo, T]]:
         """`call` on every live node at once; a node that fails is left out (and logged): the

@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from aiohttp import web
 
 from ..api import schemas, views
@@ -140,13 +139,12 @@ class GatewayAPI(NodeAPI):
         return web.json_response(node_view(await self.node.scheduler.node(request.match_info["nodeID"])))
 
 
-def gateway_app(
-    scheduler: Scheduler, settings: Settings, api_key: str, transport: httpx.AsyncBaseTransport | None = None
-) -> web.Application:
-    """The gateway's application: the API (checked against `api_key`) and the proxy."""
+def gateway_app(scheduler: Scheduler, settings: Settings, api_key: str) -> web.Application:
+    """The gateway's application: the API (checked against `api_key`) and the proxy. Made on the
+    event loop that serves it (its client to the nodes belongs to that loop)."""
     if not settings.cluster_secret:
         raise ConfigError("aenv gateway needs the cluster secret its nodes take (AENV_CLUSTER_SECRET)")
-    client = cluster_client(settings.cluster_secret, transport=transport)
+    client = cluster_client(settings.cluster_secret)
     cluster = ClusterNode(scheduler, client)
     port = settings.gateway_addr.rsplit(":", 1)[1]
     domain = settings.domain or f"localhost:{port}"
@@ -154,7 +152,7 @@ def gateway_app(
     app = api.app(api_key)
 
     async def close_client(app: web.Application) -> None:
-        await client.aclose()
+        await client.close()
 
     app.on_cleanup.append(close_client)
     return app

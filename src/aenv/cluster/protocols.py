@@ -36,7 +36,10 @@ class Scheduler(Protocol):
 
     async def place(self, request: Placement) -> NodeInfo:
         """Choose a node and reserve the request's memory and vCPUs on it atomically (two
-        schedulers never both spend the same room). Unavailable if no node has room."""
+        schedulers never both spend the same room). Unavailable if no node has room. A create
+        that names its sandbox (`sandbox_id`) is bound to the chosen node in the same step
+        (Conflict if that id is bound already): its node is told the id, and no `bind` follows;
+        if the create fails, `unbind` frees the room too."""
         ...
 
     async def bind(self, binding: Binding) -> None:
@@ -45,11 +48,15 @@ class Scheduler(Protocol):
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         """Forget a sandbox, only if it is still bound to `node_id` (a late call from a node the
-        sandbox has left must not remove its new binding)."""
+        sandbox has left must not remove its new binding). A binding recorded by a create's
+        placement takes its reserved room with it (the create failed)."""
         ...
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
         """The sandbox's binding and its node. NotFound if unbound."""
         ...
 
-    async def bindings(self, node_id: str | None = None) -> list[Binding]: ...
+    async def bindings(self, node_id: str | None = None) -> list[Binding]:
+        """All bindings, or those a node answers for: `node_id`'s, less the creates placed on
+        it that have not ended yet (the node binds those itself when they do)."""
+        ...

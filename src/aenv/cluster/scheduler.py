@@ -12,7 +12,8 @@ cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
     GET    /nodes/{node_id}             NodeInfo
     POST   /nodes/{node_id}/heartbeat   Heartbeat -> NodeInfo (404: register again)
     POST   /nodes/{node_id}/drain       NodeInfo
-    POST   /placements                  Placement -> NodeInfo (503 when no node has room)
+    POST   /placements                  Placement -> NodeInfo (503 when no node has room; 409
+                                        when a create's sandbox_id is bound already)
     GET    /bindings[?node_id=N]        [Binding]
     GET    /bindings/{sandbox_id}       Location {"binding", "node"}
     PUT    /bindings/{sandbox_id}       Binding -> 204
@@ -25,9 +26,12 @@ its usage, reservations and sandboxes started since its last heartbeat; memory i
 as in the node's own admission), preferring nodes that cache the template, then the fewest
 running sandboxes, then the most free memory and vCPUs. A resume prefers the node holding the
 sandbox while that node is up; a durable pause (in the shared repository) may resume on any
-node with room, a node-local one only on its node (draining included). The chosen node's room is
-reserved atomically: when a concurrent scheduler spent it first, the next candidate is tried.
-A fork is no placement: it stays on its source's node, which the gateway locates.
+node with room, a node-local one only on its node (draining included). The choice and the
+reservation of the room are one Redis script (`state._PLACE`): one round trip, and no other
+scheduler can spend the room in between. A create that names its sandbox
+(`Placement.sandbox_id`: the gateway chose the id) is bound to the chosen node in that same
+step, so it needs no second call; a create that fails is unbound, which frees its room. A fork
+is no placement: it stays on its source's node, which the gateway locates.
 """
 
 from __future__ import annotations
@@ -92,42 +96,21 @@ class ClusterScheduler:
         return info
 
     async def place(self, request: Placement) -> NodeInfo:
-        rooms = await self.state.rooms()
-        if request.kind == "resume":
-            candidates = await self._resume_candidates(request, rooms)
-        else:
-            candidates = ranked(rooms, request)
-        for room in candidates:
-            draining = room.node.status == NodeState.DRAINING
-            if await self.state.reserve(
-                room.node.node_id, request.memory_mib, request.vcpus, allow_draining=draining
-            ):
-                return room.node
-        raise Unavailable(_no_room(rooms, request))
-
-    async def _resume_candidates(self, request: Placement, rooms: list[NodeRoom]) -> list[NodeRoom]:
-        if not request.sandbox_id:
+        if request.kind == "resume" and not request.sandbox_id:
             raise InvalidRequest("a resume placement needs the sandbox_id")
-        binding = await self.state.binding(request.sandbox_id)
-        home = next(
-            (
-                r
-                for r in rooms
-                if r.node.node_id == binding.node_id
-                and r.node.node_id not in request.exclude
-                and r.fits(request.memory_mib)
-            ),
-            None,
-        )
-        if not binding.durable:
-            if home is None or home.node.status == NodeState.DOWN:
-                raise Unavailable(
-                    f"sandbox {binding.sandbox_id} can only resume on node {binding.node_id}, where its "
-                    "pause is (not in the shared repository), and that node is down, excluded or full"
-                )
-            return [home]
-        first = [home] if home is not None and home.node.status == NodeState.UP else []
-        return first + [r for r in ranked(rooms, request) if r is not home]
+        template = catalog_name(request.template) if request.template else ""
+        placed = await self.state.place(request, template)
+        if placed is not None:
+            return placed
+        if (
+            request.kind == "resume"
+            and not (binding := await self.state.binding(request.sandbox_id or "")).durable
+        ):
+            raise Unavailable(
+                f"sandbox {binding.sandbox_id} can only resume on node {binding.node_id}, where its "
+                "pause is (not in the shared repository), and that node is down, excluded or full"
+            )
+        raise Unavailable(_no_room(await self.state.rooms(), request))
 
     async def bind(self, binding: Binding) -> None:
         await self.state.bind(binding)
@@ -136,37 +119,13 @@ class ClusterScheduler:
         await self.state.unbind(sandbox_id, node_id)
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
-        binding = await self.state.binding(sandbox_id)
-        try:
-            return binding, await self.state.node(binding.node_id)
-        except NotFound:
-            raise NotFound(f"sandbox {sandbox_id} is bound to node {binding.node_id}, which left") from None
+        binding, node = await self.state.locate(sandbox_id)
+        if node is None:
+            raise NotFound(f"sandbox {sandbox_id} is bound to node {binding.node_id}, which left")
+        return binding, node
 
     async def bindings(self, node_id: str | None = None) -> list[Binding]:
         return await self.state.bindings(node_id)
-
-
-def ranked(rooms: list[NodeRoom], request: Placement) -> list[NodeRoom]:
-    """The up nodes with room for the request, best first: caching its template, fewest
-    sandboxes running or starting, most free memory, most free vCPUs (then by id, to be stable)."""
-    template = catalog_name(request.template) if request.template else ""
-    fit = [
-        room
-        for room in rooms
-        if room.node.status == NodeState.UP
-        and room.node.node_id not in request.exclude
-        and room.fits(request.memory_mib)
-    ]
-    return sorted(
-        fit,
-        key=lambda r: (
-            bool(template) and template not in r.node.cached,
-            r.node.usage.running + r.starting,
-            -r.memory_mib,
-            -r.vcpus,
-            r.node.node_id,
-        ),
-    )
 
 
 def _no_room(rooms: list[NodeRoom], request: Placement) -> str:

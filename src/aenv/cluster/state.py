@@ -18,12 +18,22 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
                                   started since the node's last heartbeat (its usage lacks them)
     aenv:bindings           HASH  {sandbox} -> Binding (JSON)
     aenv:bound:{node}       SET   the sandbox ids bound to the node
+    aenv:placing            HASH  {sandbox} -> "{node} {expiry} {member}": a create placed with
+                                  its binding whose node has not bound the sandbox yet
     aenv:cached:{snapshot}  SET   the node ids that cache a template or snapshot (locality index)
 
-A placement reserves its room (`reserve`); the sandbox's first running bind on that node turns
-the oldest reservation into a pending entry, and the node's next heartbeat, whose usage now
-counts the sandbox, clears the pending entries. A reservation whose create never binds (it
-failed, its gateway died) expires after `RESERVATION_TTL`. A fork's children are placed by no
+A placement chooses its node and reserves its room in one script (`place`); the sandbox's first
+running bind on that node turns the reservation into a pending entry, and the node's next
+heartbeat, whose usage now counts the sandbox, clears the pending entries. A reservation whose
+create never binds (it failed, its gateway died) expires after `RESERVATION_TTL`.
+
+A create's placement names the sandbox (the gateway chose its id) and records its binding in the
+same script, so the gateway's create is one scheduler call and the sandbox is locatable from the
+moment the node answers. Until the node binds it itself the binding is `placing`; a create that
+fails is unbound by its gateway, which frees its reservation too. The node's reconciliation does
+not see a placing binding (`bindings(node)`: the node holds no such sandbox until its create
+ends) until the reservation expired, which is a gateway that died mid-create: then the node
+drops it, if it holds no such sandbox. A fork's children are placed by no
 one (they start on their source's node), so their binds take the oldest reservations of
 creates still under way: the room is counted once all the same, only under other names, until
 the next heartbeat counts everything. A node is down when its last
@@ -42,7 +52,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from ..orchestrator.errors import Conflict, NotFound
-from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
+from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 
 PREFIX = "aenv:"
 # A create takes seconds (longer under TCG on a loaded host); a reservation outlives it by far,
@@ -93,35 +103,17 @@ redis.call('HSET', KEYS[1], 'status', ARGV[2])
 return 1
 """
 
-# KEYS: node hash, reserved zset, pending hash. ARGV: member, memory, ttl, down_after, allow_draining.
-# The room test of `NodeRoom`, made again where nobody else can spend the room meanwhile.
-_RESERVE = (
-    _NOW
-    + """
-local node = redis.call('HMGET', KEYS[1], 'status', 'heartbeat_at', 'capacity', 'usage')
-if not node[1] then return 0 end
-if node[1] ~= 'up' and not (node[1] == 'draining' and ARGV[5] == '1') then return 0 end
-if now - tonumber(node[2]) > tonumber(ARGV[4]) then return 0 end
-local capacity = cjson.decode(node[3])
-local taken = cjson.decode(node[4]).memory_mib + tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  taken = taken + tonumber(string.match(m, ':(%d+):%d+$'))
-end
-for _, v in ipairs(redis.call('HVALS', KEYS[3])) do taken = taken + tonumber(string.match(v, '^(%d+)')) end
-if capacity.disk_free_mib <= 0 or taken > capacity.memory_mib then return 0 end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
-return 1
-"""
-)
-
-# KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node).
-# ARGV: prefix, sandbox id, binding, node id, state.
+# KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node),
+# placing hash. ARGV: prefix, sandbox id, binding, node id, state.
+# A sandbox's first running bind on a node spends its own placement's reservation, else the
+# oldest one (a fork's child, or a create placed without a name).
 _BIND = (
     _NOW
     + """
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('AENV_NO_NODE ' .. ARGV[4]) end
 local started = ARGV[5] == 'running'
+local placed = redis.call('HGET', KEYS[6], ARGV[2])
+if placed and started then redis.call('HDEL', KEYS[6], ARGV[2]) end
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 if old then
   local was = cjson.decode(old)
@@ -131,7 +123,7 @@ if old then
     end
     redis.call('SREM', ARGV[1] .. 'bound:' .. was.node_id, ARGV[2])
     redis.call('HDEL', ARGV[1] .. 'pending:' .. was.node_id, ARGV[2])
-  elseif was.state == 'running' then
+  elseif was.state == 'running' and not placed then
     started = false
   end
 end
@@ -139,8 +131,13 @@ redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[2])
 if started then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  local popped = redis.call('ZPOPMIN', KEYS[4])
-  if popped[1] then redis.call('HSET', KEYS[5], ARGV[2], string.match(popped[1], ':(%d+:%d+)$')) end
+  local member = nil
+  if placed then
+    local node, _, mine = string.match(placed, '^(%S+) (%S+) (%S+)$')
+    if node == ARGV[4] and redis.call('ZREM', KEYS[4], mine) == 1 then member = mine end
+  end
+  if not member then member = redis.call('ZPOPMIN', KEYS[4])[1] end
+  if member then redis.call('HSET', KEYS[5], ARGV[2], string.match(member, ':(%d+:%d+)$')) end
 elseif ARGV[5] ~= 'running' then
   redis.call('HDEL', KEYS[5], ARGV[2])
 end
@@ -148,15 +145,129 @@ return 1
 """
 )
 
-# KEYS: bindings hash. ARGV: prefix, sandbox id, node id.
+# KEYS: bindings hash, placing hash. ARGV: prefix, sandbox id, node id.
+# A binding still placing is a create that failed (or whose sandbox is gone already): its
+# reservation goes with it.
 _UNBIND = """
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 if not old or cjson.decode(old).node_id ~= ARGV[3] then return 0 end
+local placed = redis.call('HGET', KEYS[2], ARGV[2])
+if placed then
+  local node, _, member = string.match(placed, '^(%S+) (%S+) (%S+)$')
+  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('ZREM', ARGV[1] .. 'reserved:' .. node, member)
+end
 redis.call('HDEL', KEYS[1], ARGV[2])
 redis.call('SREM', ARGV[1] .. 'bound:' .. ARGV[3], ARGV[2])
 redis.call('HDEL', ARGV[1] .. 'pending:' .. ARGV[3], ARGV[2])
 return 1
 """
+
+# A node as the reads below return it: id, hash fields (flat), live reservations, pending room.
+_NODE_ENTRY = """
+local function node_entry(prefix, id, now)
+  return {id, redis.call('HGETALL', prefix .. 'node:' .. id),
+    redis.call('ZRANGEBYSCORE', prefix .. 'reserved:' .. id, now, '+inf'),
+    redis.call('HVALS', prefix .. 'pending:' .. id)}
+end
+"""
+
+# KEYS: nodes set. ARGV: prefix, node ids (none: every registered node). Read in one round trip.
+_ROOMS = (
+    _NOW
+    + _NODE_ENTRY
+    + """
+local ids = redis.call('SMEMBERS', KEYS[1])
+if #ARGV > 1 then ids = {unpack(ARGV, 2)} end
+local out = {tostring(now)}
+for _, id in ipairs(ids) do out[#out + 1] = node_entry(ARGV[1], id, now) end
+return out
+"""
+)
+
+# KEYS: bindings hash. ARGV: prefix, sandbox id. The binding (none: {}) and its node, at once.
+_LOCATE = (
+    _NOW
+    + _NODE_ENTRY
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[2])
+if not raw then return {} end
+return {raw, tostring(now), node_entry(ARGV[1], cjson.decode(raw).node_id, now)}
+"""
+)
+
+# KEYS: nodes set, bindings hash, placing hash. ARGV: prefix, memory, vcpus, ttl, down_after,
+# template's catalog name (or ''), kind, sandbox id (or ''), '1' to bind it (a create), token,
+# template as requested, excluded node ids. Chooses and reserves in one step, so no other
+# placement can spend the room in between: the best node with room (`scheduler` explains the
+# order), or {} when none has.
+_PLACE = (
+    _NOW
+    + _NODE_ENTRY
+    + """
+local prefix, memory = ARGV[1], tonumber(ARGV[2])
+local excluded = {}
+for i = 12, #ARGV do excluded[ARGV[i]] = true end
+local home, durable = nil, true
+if ARGV[7] == 'resume' then
+  local raw = redis.call('HGET', KEYS[2], ARGV[8])
+  if not raw then return redis.error_reply('AENV_UNBOUND ' .. ARGV[8]) end
+  local bound = cjson.decode(raw)
+  home, durable = bound.node_id, bound.durable
+end
+local function before(a, b)
+  for i = 1, #a do if a[i] ~= b[i] then return a[i] < b[i] end end
+  return false
+end
+local best, best_key = nil, nil
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local f = redis.call('HMGET', prefix .. 'node:' .. id, 'status', 'heartbeat_at', 'capacity', 'usage',
+    'cached')
+  if f[1] and not excluded[id] then
+    local status = f[1]
+    if now - tonumber(f[2]) > tonumber(ARGV[5]) then status = 'down' end
+    local capacity, usage = cjson.decode(f[3]), cjson.decode(f[4])
+    local reserved = redis.call('ZRANGEBYSCORE', prefix .. 'reserved:' .. id, now, '+inf')
+    local pending = redis.call('HVALS', prefix .. 'pending:' .. id)
+    local memory_spent, vcpus_spent = 0, 0
+    for _, entry in ipairs(reserved) do
+      local m, c = string.match(entry, ':(%d+):(%d+)$')
+      memory_spent, vcpus_spent = memory_spent + m, vcpus_spent + c
+    end
+    for _, entry in ipairs(pending) do
+      local m, c = string.match(entry, '^(%d+):(%d+)$')
+      memory_spent, vcpus_spent = memory_spent + m, vcpus_spent + c
+    end
+    local free = capacity.memory_mib - usage.memory_mib - memory_spent
+    local eligible = status == 'up' and durable
+    if id == home then eligible = status == 'up' or (not durable and status == 'draining') end
+    if eligible and capacity.disk_free_mib > 0 and free >= memory then
+      local cached = ARGV[6] == ''
+      for _, name in ipairs(cjson.decode(f[5])) do cached = cached or name == ARGV[6] end
+      local key = {id == home and 0 or 1, cached and 0 or 1, usage.running + #reserved + #pending, -free,
+        -(capacity.vcpus - usage.vcpus - vcpus_spent)}
+      if best == nil or before(key, best_key) or (not before(best_key, key) and id < best) then
+        best, best_key = id, key
+      end
+    end
+  end
+end
+if not best then return {} end
+local member = ARGV[10] .. ':' .. ARGV[2] .. ':' .. ARGV[3]
+local expiry = now + tonumber(ARGV[4])
+if ARGV[9] ~= '' then
+  if redis.call('HEXISTS', KEYS[2], ARGV[8]) == 1 then return redis.error_reply('AENV_TAKEN ' .. ARGV[8]) end
+  local binding = {sandbox_id = ARGV[8], node_id = best, state = 'running', template_id = ARGV[11],
+    durable = false}
+  redis.call('HSET', KEYS[2], ARGV[8], cjson.encode(binding))
+  redis.call('SADD', prefix .. 'bound:' .. best, ARGV[8])
+  redis.call('HSET', KEYS[3], ARGV[8], best .. ' ' .. tostring(expiry) .. ' ' .. member)
+end
+redis.call('ZREMRANGEBYSCORE', prefix .. 'reserved:' .. best, '-inf', now)
+redis.call('ZADD', prefix .. 'reserved:' .. best, expiry, member)
+return {tostring(now), node_entry(prefix, best, now)}
+"""
+)
 
 _BINDINGS = TypeAdapter(list[Binding])
 
@@ -171,13 +282,10 @@ class NodeRoom:
     vcpus: int
     starting: int
 
-    def fits(self, memory_mib: int) -> bool:
-        return self.node.capacity.disk_free_mib > 0 and self.memory_mib >= memory_mib
 
-
-def _room(spent: list[str]) -> tuple[int, int]:
+def _spent(entries: list[str]) -> tuple[int, int]:
     """Memory and vCPUs of reservation members (`token:mem:vcpus`) or pending values (`mem:vcpus`)."""
-    parts = [entry.rsplit(":", 2)[-2:] for entry in spent]
+    parts = [entry.rsplit(":", 2)[-2:] for entry in entries]
     return sum(int(m) for m, _ in parts), sum(int(c) for _, c in parts)
 
 
@@ -194,9 +302,11 @@ class ClusterState:
                 "register": _REGISTER,
                 "heartbeat": _HEARTBEAT,
                 "set_status": _SET_STATUS,
-                "reserve": _RESERVE,
+                "place": _PLACE,
                 "bind": _BIND,
                 "unbind": _UNBIND,
+                "rooms": _ROOMS,
+                "locate": _LOCATE,
             }.items()
         }
 
@@ -217,11 +327,11 @@ class ClusterState:
                 raise NotFound(f"node {ids[0]} is not registered") from None
             if reason == "AENV_MOVED":
                 raise Conflict(f"sandbox {ids[0]} runs on node {ids[1]} now") from None
+            if reason == "AENV_TAKEN":
+                raise Conflict(f"sandbox {ids[0]} is bound already") from None
+            if reason == "AENV_UNBOUND":
+                raise NotFound(f"sandbox {ids[0]} is not bound to any node") from None
             raise
-
-    async def now(self) -> float:
-        seconds, micros = await self.redis.time()
-        return seconds + micros / 1e6
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -253,20 +363,13 @@ class ClusterState:
         return await self.node(node_id)
 
     async def node(self, node_id: str) -> NodeInfo:
-        nodes = await self._nodes([node_id], await self.now())
-        if not nodes:
+        rooms = await self.rooms([node_id])
+        if not rooms:
             raise NotFound(f"node {node_id} is not registered")
-        return nodes[0]
+        return rooms[0].node
 
     async def nodes(self) -> list[NodeInfo]:
-        ids = sorted(await self.redis.smembers(f"{PREFIX}nodes"))
-        return await self._nodes(ids, await self.now())
-
-    async def _nodes(self, ids: list[str], now: float) -> list[NodeInfo]:
-        pipe = self.redis.pipeline(transaction=False)
-        for node_id in ids:
-            pipe.hgetall(f"{PREFIX}node:{node_id}")
-        return [self._node(fields, now) for fields in await pipe.execute() if "info" in fields]
+        return [room.node for room in await self.rooms()]
 
     def _node(self, fields: dict[str, str], now: float) -> NodeInfo:
         heartbeat_at = float(fields["heartbeat_at"])
@@ -285,29 +388,36 @@ class ClusterState:
             }
         )
 
-    async def rooms(self) -> list[NodeRoom]:
-        """Every node with the room it has left, read in one round trip."""
-        ids = sorted(await self.redis.smembers(f"{PREFIX}nodes"))
-        now = await self.now()
-        nodes = await self._nodes(ids, now)
-        pipe = self.redis.pipeline(transaction=False)
-        for node in nodes:
-            pipe.zrangebyscore(f"{PREFIX}reserved:{node.node_id}", now, "+inf")
-            pipe.hvals(f"{PREFIX}pending:{node.node_id}")
-        spent = await pipe.execute()
-        rooms = []
-        for index, node in enumerate(nodes):
-            entries = spent[2 * index] + spent[2 * index + 1]
-            memory, vcpus = _room(entries)
-            rooms.append(
-                NodeRoom(
-                    node=node,
-                    memory_mib=node.capacity.memory_mib - node.usage.memory_mib - memory,
-                    vcpus=node.capacity.vcpus - node.usage.vcpus - vcpus,
-                    starting=len(entries),
-                )
-            )
-        return rooms
+    def _room(self, entry: list[Any], now: float) -> NodeRoom | None:
+        """A node entry of the scripts (`_NODE_ENTRY`) as its room; None for an unregistered node."""
+        _, flat, reserved, pending = entry
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        if "info" not in fields:
+            return None
+        node = self._node(fields, now)
+        memory, vcpus = _spent(reserved + pending)
+        return NodeRoom(
+            node=node,
+            memory_mib=node.capacity.memory_mib - node.usage.memory_mib - memory,
+            vcpus=node.capacity.vcpus - node.usage.vcpus - vcpus,
+            starting=len(reserved) + len(pending),
+        )
+
+    async def rooms(self, node_ids: list[str] | None = None) -> list[NodeRoom]:
+        """The nodes (all registered ones, or those of `node_ids`) with the room each has left,
+        by id, read in one round trip."""
+        raw = await self._run("rooms", [f"{PREFIX}nodes"], [PREFIX, *(node_ids or [])])
+        now = float(raw[0])
+        rooms = [room for entry in raw[1:] if (room := self._room(entry, now)) is not None]
+        return sorted(rooms, key=lambda r: r.node.node_id)
+
+    async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo | None]:
+        """The sandbox's binding and its node (None if the node left), read in one round trip."""
+        raw = await self._run("locate", [f"{PREFIX}bindings"], [PREFIX, sandbox_id])
+        if not raw:
+            raise NotFound(f"sandbox {sandbox_id} is not bound to any node")
+        room = self._room(raw[2], float(raw[1]))
+        return Binding.model_validate_json(raw[0]), room.node if room is not None else None
 
     async def caching(self, snapshot_id: str) -> set[str]:
         """The ids of the nodes whose last heartbeat listed the template or snapshot as cached."""
@@ -315,14 +425,23 @@ class ClusterState:
 
     # -- placement -------------------------------------------------------------------------
 
-    async def reserve(
-        self, node_id: str, memory_mib: int, vcpus: int, *, allow_draining: bool = False
-    ) -> bool:
-        """Promise room on the node if it is up (or draining, when allowed) and has it, atomically."""
-        member = f"{secrets.token_hex(8)}:{memory_mib}:{vcpus}"
-        keys = [f"{PREFIX}node:{node_id}", f"{PREFIX}reserved:{node_id}", f"{PREFIX}pending:{node_id}"]
-        args = [member, memory_mib, self.reservation_ttl, self.down_after, int(allow_draining)]
-        return bool(await self._run("reserve", keys, args))
+    async def place(self, request: Placement, template: str) -> NodeInfo | None:
+        """Choose a node for the request and reserve its room there, atomically (see `_PLACE`); a
+        create that names its sandbox is bound there in the same step. `template` is the
+        request's as the nodes' caches name it. None when no node has room; Conflict if the
+        sandbox is bound already; NotFound for a resume of an unbound one."""
+        named = request.kind == "create" and bool(request.sandbox_id)
+        token = request.sandbox_id if named else secrets.token_hex(8)
+        keys = [f"{PREFIX}nodes", f"{PREFIX}bindings", f"{PREFIX}placing"]
+        args = [PREFIX, request.memory_mib, request.vcpus, self.reservation_ttl, self.down_after, template,
+                request.kind, request.sandbox_id or "", "1" if named else "", token, request.template,
+                *request.exclude]  # fmt: skip
+        raw = await self._run("place", keys, args)
+        if not raw:
+            return None
+        room = self._room(raw[1], float(raw[0]))
+        assert room is not None  # the script chose a registered node
+        return room.node
 
     # -- bindings --------------------------------------------------------------------------
 
@@ -331,13 +450,15 @@ class ClusterState:
         reports as paused a sandbox that runs on another node now (it moved: that node is late)."""
         node = binding.node_id
         keys = [f"{PREFIX}bindings", f"{PREFIX}node:{node}", f"{PREFIX}bound:{node}",
-                f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}"]  # fmt: skip
+                f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}", f"{PREFIX}placing"]  # fmt: skip
         args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state]
         await self._run("bind", keys, args)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> bool:
-        """Forget the sandbox if it is bound to `node_id`; whether it was."""
-        return bool(await self._run("unbind", [f"{PREFIX}bindings"], [PREFIX, sandbox_id, node_id]))
+        """Forget the sandbox if it is bound to `node_id` (with its reservation, if its create
+        never ended); whether it was."""
+        keys = [f"{PREFIX}bindings", f"{PREFIX}placing"]
+        return bool(await self._run("unbind", keys, [PREFIX, sandbox_id, node_id]))
 
     async def binding(self, sandbox_id: str) -> Binding:
         raw = await self.redis.hget(f"{PREFIX}bindings", sandbox_id)
@@ -346,10 +467,24 @@ class ClusterState:
         return Binding.model_validate_json(raw)
 
     async def bindings(self, node_id: str | None = None) -> list[Binding]:
+        """All bindings, or those `node_id` answers for: less its creates still under way (placing,
+        their reservation not expired), which it binds itself when they end."""
         if node_id is None:
             raws = list((await self.redis.hgetall(f"{PREFIX}bindings")).values())
         else:
             ids = sorted(await self.redis.smembers(f"{PREFIX}bound:{node_id}"))
-            raws = [raw for raw in (await self.redis.hmget(f"{PREFIX}bindings", ids) if ids else []) if raw]
-        found = _BINDINGS.validate_json("[" + ",".join(raws) + "]")
-        return sorted(found, key=lambda b: b.sandbox_id)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.time()
+            pipe.hmget(f"{PREFIX}bindings", ids)
+            pipe.hmget(f"{PREFIX}placing", ids)
+            (seconds, micros), found, placing = await pipe.execute() if ids else ((0, 0), [], [])
+            now = seconds + micros / 1e6
+            pairs = zip(found, placing, strict=True)
+            raws = [raw for raw, placed in pairs if raw and not _under_way(placed, now)]
+        bindings = _BINDINGS.validate_json("[" + ",".join(raws) + "]")
+        return sorted(bindings, key=lambda b: b.sandbox_id)
+
+
+def _under_way(placed: str | None, now: float) -> bool:
+    """Whether a `placing` entry is of a create that may still be running (its room reserved)."""
+    return placed is not None and float(placed.split(" ")[1]) > now

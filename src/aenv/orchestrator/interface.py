@@ -35,6 +35,9 @@ class CreateRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     env_vars: dict[str, str] = field(default_factory=dict)
     volume_mounts: list[dict[str, str]] = field(default_factory=list)  # [{"name", "path"}]
+    # The new sandbox's id when the caller chose it (a gateway names a sandbox before placing it,
+    # so the placement records its binding); None: the node makes one.
+    sandbox_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,24 @@ class ListQuery:
     started_after: datetime | None = None  # inclusive bounds on the start time
     started_before: datetime | None = None
     order: Literal["asc", "desc"] = "desc"  # by start time
+    # Paging, from a caller that pages (the API): only the matches after `after` (a start time and
+    # an id, in the list's order), at most `limit` of them. Through a gateway each node then sends
+    # a page, not all it holds. A node may ignore these: the caller applies them again.
+    after: tuple[str, str] | None = None
+    limit: int | None = None
+
+    def page(self, ordered: list[SandboxRecord]) -> list[SandboxRecord]:
+        """Of matches in the list's order, those after `after`, at most `limit`."""
+        if self.after is not None:
+            after, ascending = self.after, self.order == "asc"
+            ordered = [r for r in ordered if follows((r.started_at, r.sandbox_id), after, ascending)]
+        return ordered if self.limit is None else ordered[: self.limit]
+
+
+def follows(position: tuple[str, str], cursor: tuple[str, ...], ascending: bool) -> bool:
+    """Whether an item comes after the cursor: time in the list's order, then id ascending."""
+    later = position[0] > cursor[0] if ascending else position[0] < cursor[0]
+    return later or (position[0] == cursor[0] and position[1] > cursor[1])
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class LocalNode:
         found = [s.record for s in self.orchestrator.sandboxes.values() if matches(s.record, query)]
         found.sort(key=lambda r: r.sandbox_id)
         found.sort(key=_started, reverse=query.order == "desc")
-        return found
+        return query.page(found)
 
     async def kill(self, sandbox_id: str) -> None:
         await self.orchestrator.kill(self._sandbox(sandbox_id))

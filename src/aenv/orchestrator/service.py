@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -93,10 +94,32 @@ def catalog_name(reference: str) -> str:
     return reference.rsplit("/", 1)[-1].split(":", 1)[0]
 
 
+SANDBOX_ID = re.compile(r"i[a-z0-9]{20}")
+
+
+ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
 def new_sandbox_id() -> str:
-    """`i` + 20 characters of [a-z0-9], as E2B's: no dashes or dots, which would break host routing."""
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return "i" + "".join(secrets.choice(alphabet) for _ in range(20))
+    """`i` + 20 characters of [a-z0-9], as E2B's: no dashes or dots, which would break host routing.
+
+    Drawn from one 128-bit random number (one getrandom call, not one per character: a create
+    through a gateway makes an id, and twenty calls cost it 0.2 ms under load)."""
+    value = int.from_bytes(secrets.token_bytes(16))
+    characters = []
+    for _ in range(20):
+        value, digit = divmod(value, len(ID_ALPHABET))
+        characters.append(ID_ALPHABET[digit])
+    return "i" + "".join(characters)
+
+
+def chosen_id(request: CreateRequest) -> str:
+    """The id a create asked for (a gateway's, of `new_sandbox_id`'s form), else a new one."""
+    if request.sandbox_id is None:
+        return new_sandbox_id()
+    if not SANDBOX_ID.fullmatch(request.sandbox_id):
+        raise InvalidRequest(f"a sandbox id is i and 20 of [a-z0-9], not {request.sandbox_id[:64]!r}")
+    return request.sandbox_id
 
 
 @dataclass
@@ -309,12 +332,15 @@ class Orchestrator:
         timeout = self.settings.default_timeout if request.timeout is None else request.timeout
         self._check_timeout(timeout)
         self._check_volumes(request.volume_mounts)
+        sandbox_id = chosen_id(request)
+        if sandbox_id in self.sandboxes:
+            raise Conflict(f"sandbox {sandbox_id} exists already")
         # A warm VM of the template has its network already.
         networks = 0 if self.engine.pool.ready(manifest.id) else 1
         self.admission.check_start("create a sandbox", manifest.machine.memory_mib, networks)
         now = clock.now()
         record = SandboxRecord(
-            sandbox_id=new_sandbox_id(),
+            sandbox_id=sandbox_id,
             template_id=manifest.id,
             alias=manifest.alias,
             state=State.CREATING,
