@@ -12,7 +12,7 @@ import pytest
 from aenv.cli import main
 from aenv.cluster.client import SchedulerClient
 
-from .scheduler_process import scheduler_process
+from .processes import scheduler_process
 from .test_placement import node
 
 SECRET = "cli-secret"

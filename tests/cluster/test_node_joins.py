@@ -13,7 +13,7 @@ import pytest
 
 from aenv.devnode import DevNode
 
-from .scheduler_process import scheduler_process
+from .processes import scheduler_process
 
 pytestmark = pytest.mark.vm
 SLOT_FIRST = 15872  # apart from every other node the suite starts

@@ -32,6 +32,7 @@ from .auth import CLUSTER_SECRET_HEADER
 from .client import KINDS
 
 CONNECT_TIMEOUT = 5.0
+PROBE_TIMEOUT = 2.0  # seconds a node the scheduler has down gets to show it is alive
 # A create or resume under TCG on a busy host can take minutes; the node bounds its own work.
 CALL_TIMEOUT = 900.0
 
@@ -71,6 +72,14 @@ class RemoteNode:
         if response.status_code >= 400:
             raise node_error(response, self.node_id)
         return response
+
+    async def answers(self) -> bool:
+        """Whether the node's API answers at all (its `/health`, within `PROBE_TIMEOUT`)."""
+        try:
+            response = await self.client.get(self.address + "/health", timeout=PROBE_TIMEOUT)
+        except httpx.TransportError:  # refused, reset or timed out
+            return False
+        return response.status_code < 500
 
     async def _call(self, method: str, **arguments: Any) -> Any:
         body = wire.encode_arguments(method, arguments)
