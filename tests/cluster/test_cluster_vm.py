@@ -208,7 +208,9 @@ def test_the_python_sdk_through_a_gateway_uses_every_node(cluster: Cluster) -> N
     mine = SandboxQuery(metadata={"tag": cluster.tag})
     created = [Sandbox.create("base", metadata={"tag": cluster.tag}, timeout=300) for _ in range(NODES + 1)]
     homes = {s.sandbox_id: cluster.node_of(s.sandbox_id) for s in created}
-    assert set(homes.values()) == set(cluster.nodes), homes  # placement spreads over every node
+    with cluster.state() as state:  # what placement went by, should it not spread
+        nodes = {n["node_id"]: (n["usage"], n["cached"]) for n in state.get("/nodes").json()}
+    assert set(homes.values()) == set(cluster.nodes), (homes, nodes)  # placement spreads over every node
     first = created[0]
     first.files.write("/home/user/kept.txt", "through the gateway")
     assert first.pause()
@@ -270,15 +272,16 @@ Body = dict[str, Any] | None
 
 
 class Stream:
-    """Creates, pauses and resumes sandboxes through the gateways from a thread of its own, as
-    a client would: a call that finds no gateway (refused, cut) is tried on the other one, one
-    answered 503 by a gateway without a scheduler is tried again a little later. It keeps up to
-    `size` sandboxes and records what was acknowledged."""
+    """Creates, pauses, resumes and kills sandboxes through the gateways from a thread of its
+    own, as a client would: a call that finds no gateway (refused, cut) is tried on the other one,
+    one answered 503 by a gateway without a scheduler is tried again a little later. It keeps
+    about `size` sandboxes and records what was acknowledged."""
 
     def __init__(self, cluster: Cluster, size: int = 4) -> None:
         self.cluster = cluster
         self.size = size
         self.acked: dict[str, str] = {}  # sandbox id -> its last acknowledged state
+        self.killed: set[str] = set()  # acknowledged kills
         self.unsure: set[str] = set()  # an operation on it went unanswered: it may be in either state
         self.retired: dict[str, str] = {}  # out of the rotation (lost, waits for its node): why
         self.unexpected: list[str] = []  # answers no fault explains
@@ -314,9 +317,12 @@ class Stream:
         try:
             while not self._stop.is_set():
                 rotation = [i for i in self.acked if i not in self.retired]
+                sandbox_id = rng.choice(rotation) if rotation else ""
                 if len(rotation) < self.size:
                     self._create()
-                elif self.acked[sandbox_id := rng.choice(rotation)] == "running":
+                elif rng.random() < 0.2:
+                    self._kill(sandbox_id)
+                elif self.acked[sandbox_id] == "running":
                     self._operate("pause", sandbox_id, "paused")
                 else:
                     self._operate("connect", sandbox_id, "running", {"timeout": 600})
@@ -332,6 +338,15 @@ class Stream:
         else:
             self._refused("create", "", answer)
 
+    def _kill(self, sandbox_id: str) -> None:
+        answer = self._call(f"/sandboxes/{sandbox_id}", None, "DELETE")
+        if answer is not None and answer.status_code == 204:
+            del self.acked[sandbox_id]
+            self.killed.add(sandbox_id)
+            self.counts.update(["kill", "ops"])
+        else:
+            self._refused("kill", sandbox_id, answer)
+
     def _operate(self, operation: str, sandbox_id: str, state: str, body: Body = None) -> None:
         answer = self._call(f"/sandboxes/{sandbox_id}/{operation}", body)
         if answer is not None and answer.is_success:
@@ -340,14 +355,14 @@ class Stream:
         else:
             self._refused(operation, sandbox_id, answer)
 
-    def _call(self, path: str, body: Body) -> httpx.Response | None:
+    def _call(self, path: str, body: Body, method: str = "POST") -> httpx.Response | None:
         """The answer of whichever gateway gives one; None when none did in `RETRY_FOR`."""
         deadline = time.monotonic() + RETRY_FOR
         while True:
             gateway = self.cluster.gateways[self._gateway]
             try:
-                answer = httpx.post(gateway.url + path, json=body, headers={"X-API-Key": self.cluster.key},
-                                    timeout=300)  # fmt: skip
+                answer = httpx.request(method, gateway.url + path, json=body, timeout=300,
+                                       headers={"X-API-Key": self.cluster.key})  # fmt: skip
             except httpx.TransportError:
                 self._gateway = 1 - self._gateway
                 self.counts["failover to the other gateway"] += 1
@@ -478,7 +493,7 @@ def test_kill_9_of_a_gateway_the_scheduler_and_a_node_loses_no_acknowledged_sand
     cluster.crashed.remove(node)
     wait_until(cluster.all_up, 60, what="the node to rejoin")
     check_rejoined(cluster, outcome, victim, durable)
-    check_bindings_and_kill_everything(cluster, ids)
+    check_bindings_and_kill_everything(cluster, ids, stream.killed)
     try:
         wait_until(lambda: all(held(cluster)[n] <= before[n] for n in LEAKS), 120, 1, what="no leaks")
     except AssertionError:
@@ -517,9 +532,9 @@ def check_rejoined(cluster: Cluster, outcome: dict[str, set[str]], victim: str, 
     wait_until(lambda: httpx.get(on_victim, headers=secret).status_code == 404, 30, what="the node to forget")
 
 
-def check_bindings_and_kill_everything(cluster: Cluster, acknowledged: list[str]) -> None:
+def check_bindings_and_kill_everything(cluster: Cluster, acknowledged: list[str], killed: set[str]) -> None:
     """Every binding points at a sandbox its node holds, every sandbox is bound, not one
-    acknowledged sandbox is gone; then all of them are killed and every binding goes."""
+    acknowledged sandbox is gone nor a killed one back; then all are killed and every binding goes."""
     with cluster.api(1) as api, cluster.state() as state:
 
         def consistent() -> bool:
@@ -530,7 +545,7 @@ def check_bindings_and_kill_everything(cluster: Cluster, acknowledged: list[str]
 
         wait_until(consistent, 30, what="the bindings to match the nodes' sandboxes")
         listed = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
-        assert set(acknowledged) <= listed
+        assert set(acknowledged) <= listed and not killed & listed
         for sandbox_id in listed:
             assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
         wait_until(lambda: state.get("/bindings").json() == [], 30, what="every binding to go")
