@@ -310,7 +310,10 @@ class Stream:
                 raise AssertionError("the stream failed") from self._failure
             return self.counts[kind] >= target
 
-        wait_until(done, 300, what=f"{count} more acknowledged {kind}; so far {dict(self.counts)}")
+        try:
+            wait_until(done, 300, what=f"{count} more acknowledged {kind}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the stream so far: {dict(self.counts)}") from None
 
     def _run(self) -> None:
         rng = random.Random(12)
