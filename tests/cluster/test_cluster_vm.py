@@ -539,14 +539,18 @@ def check_bindings_and_kill_everything(cluster: Cluster, acknowledged: list[str]
     """Every binding points at a sandbox its node holds, every sandbox is bound, not one
     acknowledged sandbox is gone nor a killed one back; then all are killed and every binding goes."""
     with cluster.api(1) as api, cluster.state() as state:
+        seen: dict[str, object] = {}
 
         def consistent() -> bool:
-            bound = {b["sandbox_id"]: b["node_id"] for b in state.get("/bindings").json()}
-            listed = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
-            holders = {i: api.get(f"/sandboxes/{i}").json().get("clientID") for i in bound}
+            seen["bound"] = bound = {b["sandbox_id"]: b["node_id"] for b in state.get("/bindings").json()}
+            seen["listed"] = listed = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
+            seen["holders"] = holders = {i: api.get(f"/sandboxes/{i}").json().get("clientID") for i in bound}
             return bound.keys() == listed and holders == bound
 
-        wait_until(consistent, 30, what="the bindings to match the nodes' sandboxes")
+        try:
+            wait_until(consistent, 30, what="the bindings to match the nodes' sandboxes")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {seen}") from None
         listed = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
         assert set(acknowledged) <= listed and not killed & listed
         for sandbox_id in listed:
