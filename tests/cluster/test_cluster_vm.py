@@ -500,7 +500,17 @@ def test_kill_9_of_a_gateway_the_scheduler_and_a_node_loses_no_acknowledged_sand
     try:
         wait_until(lambda: all(held(cluster)[n] <= before[n] for n in LEAKS), 120, 1, what="no leaks")
     except AssertionError:
-        raise AssertionError(f"left behind: before {before}, now {held(cluster)}") from None
+        raise AssertionError(f"left behind: before {before}, now {held(cluster)}: {vms(cluster)}") from None
+
+
+def vms(cluster: Cluster) -> dict[str, list[str]]:
+    """The files each node's QEMU processes run from (which sandbox or warm VM each is)."""
+    found = {}
+    for node in cluster.nodes.values():
+        argvs = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in node.qemu_pids()]
+        marker = str(node.home).encode()
+        found[node.home.name] = [next((a.decode() for a in argv if marker in a), "?") for argv in argvs]
+    return found
 
 
 def check_acknowledged(cluster: Cluster, stream: Stream, outcome: dict[str, set[str]]) -> None:
