@@ -38,6 +38,12 @@ class Cluster:
     scheduler: FakeScheduler
     nodes: dict[str, FakeNode]
     gateway: httpx.AsyncClient
+    servers: dict[str, TestServer]
+
+    async def kill(self, node_id: str) -> None:
+        """The node dies: its API stops answering, and the scheduler has it down."""
+        await self.servers.pop(node_id).close()
+        self.scheduler.set_status(node_id, NodeState.DOWN)
 
     async def create(self, **body: object) -> dict:
         response = await self.gateway.post("/sandboxes", json={"templateID": "base1", **body})
@@ -55,17 +61,16 @@ async def serve(app: web.Application) -> TestServer:
 async def cluster() -> AsyncIterator[Cluster]:
     scheduler = FakeScheduler()
     nodes = {name: FakeNode(name, [BASE]) for name in ("na", "nb")}
-    servers = []
+    servers = {}
     for name, node in nodes.items():
         api = NodeAPI(node, domain="localhost:1", limits=schemas.limits(SETTINGS))  # type: ignore[arg-type]
-        server = await serve(api.app(NODE_KEY, SECRET))
-        servers.append(server)
+        servers[name] = server = await serve(api.app(NODE_KEY, SECRET))
         await scheduler.register(node_info(name, str(server.make_url("")).rstrip("/")))
     gateway = await serve(gateway_app(scheduler, SETTINGS, KEY))
-    servers.append(gateway)
     async with httpx.AsyncClient(base_url=str(gateway.make_url("")), headers={"X-API-Key": KEY}) as client:
-        yield Cluster(scheduler, nodes, client)
-    for server in servers:
+        cluster = Cluster(scheduler, nodes, client, servers)
+        yield cluster
+    for server in [gateway, *cluster.servers.values()]:
         await server.close()
 
 
@@ -99,7 +104,7 @@ async def test_a_durable_pause_on_a_down_node_resumes_on_another(cluster: Cluste
     assert cluster.scheduler.bound[sandbox_id].node_id == "na"
     cluster.nodes["nb"].full = False
     assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
-    cluster.scheduler.set_status("na", NodeState.DOWN)
+    await cluster.kill("na")
     local = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
     assert local.status_code == 503  # not durable: only its own node can resume it
     record = cluster.nodes["na"].sandboxes[sandbox_id]
@@ -149,7 +154,7 @@ async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster:
     lost, kept = created["na"]["sandboxID"], created["nb"]["sandboxID"]
     paused = next(i for i, b in cluster.scheduler.bound.items() if b.node_id == "na" and i != lost)
     await cluster.gateway.post(f"/sandboxes/{paused}/pause")
-    cluster.scheduler.set_status("na", NodeState.DOWN)
+    await cluster.kill("na")
     answer = await cluster.gateway.get(f"/sandboxes/{lost}")
     assert (
         answer.status_code == 404 and "lost" in answer.json()["message"] and "na" in answer.json()["message"]
@@ -161,6 +166,22 @@ async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster:
     nodes = {n["id"]: n for n in (await cluster.gateway.get("/nodes")).json()}
     assert nodes["na"]["status"] == "down" and nodes["nb"]["status"] == "up"
     assert (await cluster.gateway.get("/nodes/nb")).json()["address"] == nodes["nb"]["address"]
+
+
+async def test_a_node_down_for_the_scheduler_but_answering_keeps_its_sandboxes(cluster: Cluster) -> None:
+    """Its heartbeats did not reach the scheduler (one restarting, say): nothing is lost or moved."""
+    cluster.nodes["nb"].repository = cluster.nodes["na"].repository
+    cluster.nodes["nb"].full = True  # both sandboxes on na
+    running, paused = [(await cluster.create())["sandboxID"] for _ in range(2)]
+    assert (await cluster.gateway.post(f"/sandboxes/{paused}/pause")).status_code == 204
+    cluster.nodes["na"].repository[paused] = cluster.nodes["na"].sandboxes[paused]  # durable
+    await cluster.scheduler.bind(cluster.scheduler.bound[paused].model_copy(update={"durable": True}))
+    cluster.scheduler.set_status("na", NodeState.DOWN)
+    assert (await cluster.gateway.get(f"/sandboxes/{running}")).json()["clientID"] == "na"
+    resumed = await cluster.gateway.post(f"/sandboxes/{paused}/connect", json={"timeout": 60})
+    assert resumed.status_code == 201, resumed.text
+    assert cluster.scheduler.bound[paused].node_id == "na"  # resumed where it was, not taken over
+    assert paused in cluster.nodes["na"].repository
 
 
 async def test_a_sandbox_its_node_no_longer_has_loses_its_binding(cluster: Cluster) -> None:

@@ -28,6 +28,7 @@ class FakeNode:
 
     def __init__(self) -> None:
         self.sandboxes: dict[str, str] = {}
+        self.taken_over: set[str] = set()  # paused here, taken over by another node meanwhile
 
     def report(self) -> NodeReport:
         running = sum(state == "running" for state in self.sandboxes.values())
@@ -42,6 +43,10 @@ class FakeNode:
 
     def cached(self) -> list[str]:
         return ["base"]
+
+    async def forget_moved(self) -> None:
+        for sandbox_id in self.taken_over:
+            self.sandboxes.pop(sandbox_id, None)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
@@ -89,6 +94,23 @@ async def test_the_node_joins_heartbeats_and_keeps_its_bindings_true(
 
         await scheduler.drain("n1")
         await eventually(lambda: _true(membership.status == NodeState.DRAINING))
+    finally:
+        await membership.close()
+
+
+async def test_a_restarted_node_does_not_bind_what_was_taken_over_meanwhile(
+    scheduler: ClusterScheduler,
+) -> None:
+    """s2 was taken over by another node while this one was down, and has ended there since
+    (no binding left): this node's stale pause of it must not bring it back."""
+    fake = FakeNode()
+    fake.sandboxes = {"s1": "paused", "s2": "paused"}
+    fake.taken_over = {"s2"}
+    membership = Membership(scheduler, fake, "n1", "http://n1:8000", interval=INTERVAL)
+    await membership.start()
+    try:
+        await eventually(lambda: _equals(bound(scheduler), {"s1": "paused"}))
+        assert "s2" not in {b.sandbox_id for b in await scheduler.bindings()}
     finally:
         await membership.close()
 

@@ -155,8 +155,12 @@ async def test_bindings_locate_and_guarded_unbind(scheduler: ClusterScheduler) -
     # s1 moves to b; a late unbind from a must not remove it, nor a late "paused" from a.
     await scheduler.bind(Binding(sandbox_id="s1", node_id="b"))
     await scheduler.unbind("s1", "a")
-    with pytest.raises(Conflict, match="runs on node b"):
+    with pytest.raises(Conflict, match="is on node b"):
         await scheduler.bind(Binding(sandbox_id="s1", node_id="a", state="paused"))
+    # Nor once it is paused over there: a (restarted) node's stale pause never takes it back.
+    await scheduler.bind(Binding(sandbox_id="s1", node_id="b", state="paused", durable=True))
+    with pytest.raises(Conflict, match="is on node b"):
+        await scheduler.bind(Binding(sandbox_id="s1", node_id="a", state="paused", durable=True))
     assert (await scheduler.locate("s1"))[0].node_id == "b"
     assert await scheduler.bindings("a") == []
     await scheduler.unbind("s1", "b")

@@ -83,12 +83,17 @@ class ClusterNode:
     # -- sandbox to node ----------------------------------------------------------------------
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
-        """The sandbox's binding and its node, which is reachable; else why it cannot be had."""
+        """The sandbox's binding and its node, which is reachable; else why it cannot be had.
+
+        A node the scheduler has down (no heartbeat for a while) is asked all the same: it may
+        only have been unable to reach the scheduler (one that restarted, say), and while it
+        answers its sandboxes are neither lost nor to be taken over.
+        """
         try:
             binding, info = await self.scheduler.locate(sandbox_id)
         except NotFound:
             raise NotFound(f"sandbox {sandbox_id} not found") from None
-        if info.status == NodeState.DOWN:
+        if info.status == NodeState.DOWN and not await self.remote(info).answers():
             if binding.state == "running":
                 raise NotFound(f"sandbox {sandbox_id} was lost: its node {info.node_id} is down")
             raise Unavailable(

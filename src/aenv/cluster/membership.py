@@ -60,6 +60,10 @@ class NodeSource(Protocol):
         """Ids and aliases of the templates and snapshots materialized on the node (may do I/O)."""
         ...
 
+    async def forget_moved(self) -> None:
+        """Drop the paused sandboxes that other nodes took over meanwhile (may do I/O)."""
+        ...
+
 
 class OrchestratorSource:
     """`NodeSource` of this node process: its orchestrator's sandboxes and its repository."""
@@ -107,6 +111,12 @@ class OrchestratorSource:
             leased = repository.local_leases()
             manifests = [m for m in manifests if m.id in leased]
         return sorted({name for m in manifests for name in (m.id, m.alias) if name})
+
+    async def forget_moved(self) -> None:
+        try:
+            await self.orchestrator.forget_moved()
+        except Exception:  # the repository is away: the scheduler refuses those binds anyway
+            log.warning("could not check for paused sandboxes taken over elsewhere", exc_info=True)
 
 
 class Membership:
@@ -218,7 +228,13 @@ class Membership:
         self._next_beat = time.monotonic() + self.interval
 
     async def _reconcile(self) -> None:
-        """Take the scheduler's bindings of this node as the truth to correct, then correct it."""
+        """Take the scheduler's bindings of this node as the truth to correct, then correct it.
+
+        Paused sandboxes another node took over (while this one was down, or its process
+        restarting) are dropped first: they are not this node's to bind any more, and one that
+        has ended over there would come back as paused here.
+        """
+        await self.source.forget_moved()
         self._sent = {b.sandbox_id: b for b in await self.scheduler.bindings(self.node_id)}
         await self._push()
 

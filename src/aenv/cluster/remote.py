@@ -37,6 +37,7 @@ from .auth import CLUSTER_SECRET_HEADER
 from .client import KINDS
 
 CONNECT_TIMEOUT = 5.0
+PROBE_TIMEOUT = 2.0  # seconds a node the scheduler has down gets to show it is alive
 # A create or resume under TCG on a busy host can take minutes; the node bounds its own work.
 CALL_TIMEOUT = 900.0
 
@@ -80,6 +81,15 @@ class RemoteNode:
         if response.status >= 400:
             raise node_error(response.status, content, self.node_id)
         return content
+
+    async def answers(self) -> bool:
+        """Whether the node's API answers at all (its `/health`, within `PROBE_TIMEOUT`)."""
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT)
+        try:
+            async with self.client.get(self.address + "/health", timeout=timeout) as response:
+                return response.status < 500
+        except (aiohttp.ClientError, TimeoutError):  # refused, reset or timed out
+            return False
 
     async def _call(self, method: str, **arguments: Any) -> Any:
         body = wire.encode_arguments(method, arguments)

@@ -118,7 +118,7 @@ local old = redis.call('HGET', KEYS[1], ARGV[2])
 if old then
   local was = cjson.decode(old)
   if was.node_id ~= ARGV[4] then
-    if was.state == 'running' and not started then
+    if not started then  -- it moves only by starting elsewhere: this is a node's late report
       return redis.error_reply('AENV_MOVED ' .. ARGV[2] .. ' ' .. was.node_id)
     end
     redis.call('SREM', ARGV[1] .. 'bound:' .. was.node_id, ARGV[2])
@@ -326,7 +326,7 @@ class ClusterState:
             if reason == "AENV_NO_NODE":
                 raise NotFound(f"node {ids[0]} is not registered") from None
             if reason == "AENV_MOVED":
-                raise Conflict(f"sandbox {ids[0]} runs on node {ids[1]} now") from None
+                raise Conflict(f"sandbox {ids[0]} is on node {ids[1]} now") from None
             if reason == "AENV_TAKEN":
                 raise Conflict(f"sandbox {ids[0]} is bound already") from None
             if reason == "AENV_UNBOUND":
@@ -447,7 +447,9 @@ class ClusterState:
 
     async def bind(self, binding: Binding) -> None:
         """Record where the sandbox is; NotFound for an unregistered node, Conflict when a node
-        reports as paused a sandbox that runs on another node now (it moved: that node is late)."""
+        reports as paused a sandbox bound to another node now. A sandbox moves between nodes only
+        by starting on the new one (a take-over), so that node's report is late: the sandbox
+        was taken over from it, and may be paused again over there."""
         node = binding.node_id
         keys = [f"{PREFIX}bindings", f"{PREFIX}node:{node}", f"{PREFIX}bound:{node}",
                 f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}", f"{PREFIX}placing"]  # fmt: skip

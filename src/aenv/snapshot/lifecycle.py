@@ -122,6 +122,11 @@ class Lifecycle:
                 with contextlib.suppress(OSError, ValueError):
                     self.handover.recover(self.host.load_state(state.sandbox_id))
             raise
+        if pause is None and self.handover.enabled:
+            # A parked sandbox's pause reached the disk only during the resume, and was committed
+            # then: that pause is stale now, and must go as the claimed one would (else a later
+            # take-over would continue the sandbox from it, and the next pause not be committed).
+            pause = await self.handover.claim(sandbox.state)
         await self.handover.retire(sandbox.state, pause)
         return sandbox
 

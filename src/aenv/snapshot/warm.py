@@ -77,6 +77,9 @@ class WarmVMs:
             top = await host.new_top_layer(manifest)
             network = await host.network(f"aenv-{entry_id}", None)
             vm = await self.clones.spawn(manifest, top, workdir, network)
+            # Recorded as soon as its process exists: a node that dies while the guest is still
+            # being restored leaves a record for the next one to end it by (`cleanup_warm_leftovers`).
+            WarmRecord(vm.pid, manifest.id, top, network.name).save(workdir)
             runtime = host.runtime
             await self.clones.load(
                 vm, manifest, runtime.memory_deltas(manifest), runtime.template_stream(manifest)
@@ -84,7 +87,6 @@ class WarmVMs:
             envd = EnvdLink(network)
             await envd.init(GuestInit().payload(), timeout=60)
             runtime.restored(manifest)
-            WarmRecord(vm.pid, manifest.id, top, network.name).save(workdir)
         except BaseException:
             if vm is not None:
                 await vm.kill()
