@@ -1,11 +1,18 @@
 """Soak: many create → exec → pause → resume → kill cycles, and whether anything the node holds grows.
 
-Before the first cycle and after the last (each time once the warm pool is full again) the
-harness counts what a leak would leave behind: QEMU processes under the node's home, network
-namespaces, the node's open file descriptors and RSS, files under its home, nftables rules and
-VM cgroups. Every count but the RSS must come back to where it started; the RSS is reported in
-MiB (an allocator keeps some memory), and the figure's value is the growth of the counts; the
-cycles' durations are the `soak-cycle` row.
+Before the first cycle, at checkpoints through the run (`CHECKPOINTS` of them, each once the warm
+pool is full again) and after the last, the harness counts what a leak would leave behind: QEMU
+processes under the node's home, network namespaces, the node's open file descriptors, files under
+its home, nftables rules and VM cgroups. Every count must come back to where it started: the
+`soak` row's value is their growth.
+
+The node's RSS is judged apart (`soak-rss`), on the second half of the run only: a Python process's
+RSS rises for a while after it starts doing something new (pymalloc arenas and the C allocator's
+heap fill up with freed-but-kept blocks and get fragmented, SQLite's page cache fills to its cap,
+bounded history such as the lost-sandbox list fills up) and then stays flat, while a leak keeps
+rising by the same amount per cycle. So the row's value is the RSS at the end minus the RSS at the
+checkpoint halfway through, and every checkpoint's RSS is in its details. The cycles' durations
+(checkpoints excluded) are the `soak-cycle` row.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from .report import Row
 from .stats import summarize
 
 COUNTS = ("qemu", "namespaces", "node_fds", "home_files", "nft_rules", "cgroups")
+CHECKPOINTS = 10  # footprints taken through the run, after the one before the first cycle
 
 
 def _qemu_processes(home: Path) -> int:
@@ -69,16 +77,26 @@ def footprint(home: Path, pid: int) -> dict[str, float]:
     }
 
 
+def second_half_growth(rss: dict[int, float]) -> float:
+    """RSS growth from the checkpoint halfway through (the last at or before half the cycles) to
+    the last one; `rss` is MiB by cycles done, from 0."""
+    last = max(rss)
+    middle = max(cycle for cycle in rss if cycle * 2 <= last)
+    return round(rss[last] - rss[middle], 1)
+
+
 async def soak(ctx: Context) -> list[Row]:
     node = ctx.node
     if node.home is None or node.pid is None:
         raise RuntimeError("the soak counts what the node holds, which needs a node on this host")
     home, pid = node.home, node.pid
+    every = max(1, ctx.plan.soak // CHECKPOINTS)
     await ctx.quiet()
     before = footprint(home, pid)
+    rss = {0: before["node_rss_mib"]}
     cycles = []
     async with Sandboxes(ctx.client) as sandboxes:
-        for _ in range(ctx.plan.soak):
+        for done in range(1, ctx.plan.soak + 1):
             started = time.perf_counter()
             sandbox = await sandboxes.create()
             await ctx.client.run(sandbox, "echo soak")
@@ -86,22 +104,33 @@ async def soak(ctx: Context) -> list[Row]:
             await ctx.client.resume(sandbox["sandboxID"])
             await sandboxes.kill(sandbox["sandboxID"])
             cycles.append((time.perf_counter() - started) * 1000)
+            if done % every == 0 and done < ctx.plan.soak:
+                await ctx.quiet()
+                rss[done] = round(_rss_mib(pid), 1)
     await ctx.quiet()
     after = footprint(home, pid)
+    rss[len(cycles)] = after["node_rss_mib"]
     growth = {name: after[name] - before[name] for name in before}
     grown = sum(max(0, growth[name]) for name in COUNTS)
+    late = second_half_growth(rss)
     note = (
         f"{len(cycles)} cycles; growth "
         + ", ".join(f"{name} {growth[name]:+g}" for name in growth)
         + f" (before: {', '.join(f'{name} {before[name]:g}' for name in before)})"
     )
-    details = {"before": before, "after": after, "growth": growth}
+    rss_note = "node RSS (MiB) after N cycles: " + ", ".join(f"{n}: {mib:g}" for n, mib in rss.items())
     return [
         Row(
             "soak",
             summarize("soak: growth of leak counts", [grown], unit="count"),
             note=note,
-            details=details,
+            details={"before": before, "after": after, "growth": growth},
+        ),
+        Row(
+            "soak-rss",
+            summarize("soak: node RSS growth, second half", [late], unit="MiB"),
+            note=rss_note,
+            details={"rss_mib_by_cycles": rss, "second_half_growth_mib": late},
         ),
         Row("soak-cycle", summarize("soak: create, exec, pause, resume, kill", cycles)),
     ]
