@@ -112,6 +112,7 @@ def test_selection_and_companion_rows():
     options = Options(mode="smoke", only=(), json_path=Path("x.json"))
     assert options.selected == MODES["smoke"].figures
     assert Options(mode="quick", only=("fork",), json_path=Path("x.json")).selected == ("fork",)
+    assert Options(mode="quick", only=(), json_path=Path("x.json"), soak_cycles=300).plan.soak == 300
     assert _wanted("density-overcommit", ("density",))
     assert _wanted("loaded-resume", ("loaded",)) and _wanted("fork-usable", ("fork",))
     assert _wanted("floor-restore", ("proxy-rtt",))
