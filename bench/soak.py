@@ -10,7 +10,8 @@ The node's RSS is judged apart (`soak-rss`), on the run's second half only, from
 a while after it starts doing something new (pymalloc arenas and the C allocator's heap fill with
 freed-but-kept, fragmented blocks; bounded caches such as yarl's URL cache fill up) and then stays
 flat, while a leak keeps rising by the same amount every cycle. So the row's value is the RSS at
-the end minus the RSS at the checkpoint halfway through; every checkpoint's RSS is in its note. (A
+the end minus the RSS at the checkpoint halfway through; every checkpoint's RSS is in its note, and
+where it is (heap, mapped files, shared memory) in its details. (A
 tracemalloc diff of the node over 200 cycles found one leak this way, a logger per QEMU process,
 since fixed in `aenv.vmm.machine.qmp_client`; the rest of the Python heap stayed flat after the
 first 80 cycles.) The cycles' durations (checkpoints excluded) are `soak-cycle`.
@@ -32,7 +33,10 @@ from .report import Row
 from .stats import summarize
 
 COUNTS = ("qemu", "namespaces", "node_fds", "home_files", "nft_rules", "cgroups")
-CHECKPOINTS = 10  # footprints taken through the run, after the one before the first cycle
+CHECKPOINTS = 10  # RSS samples through the run, after the one before the first cycle
+# The node's RSS at each checkpoint and where it is (in the row's details): the heap (a leak grows
+# it), pages of mapped files (shared libraries, SQLite's shared memory file) and shared memory.
+MEMORY = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
 def _qemu_processes(home: Path) -> int:
@@ -58,11 +62,14 @@ def _cgroups() -> int:
     return sum(len(list((base / "aenv").glob("vm-*"))) for base in tree.bases.values())
 
 
-def _rss_mib(pid: int) -> float:
+def _memory_mib(pid: int) -> dict[str, float]:
+    """The `MEMORY` fields of /proc/<pid>/status, in MiB."""
+    found = dict.fromkeys(MEMORY, 0.0)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        name, _, value = line.partition(":")
+        if name in found:
+            found[name] = round(int(value.split()[0]) / 1024, 1)
+    return found
 
 
 def footprint(home: Path, pid: int) -> dict[str, float]:
@@ -74,7 +81,7 @@ def footprint(home: Path, pid: int) -> dict[str, float]:
         "home_files": sum(len(files) for _, _, files in os.walk(home)),
         "nft_rules": _nft_rules(),
         "cgroups": _cgroups(),
-        "node_rss_mib": round(_rss_mib(pid), 1),
+        "node_rss_mib": _memory_mib(pid)["VmRSS"],
     }
 
 
@@ -94,7 +101,7 @@ async def soak(ctx: Context) -> list[Row]:
     every = max(1, ctx.plan.soak // CHECKPOINTS)
     await ctx.quiet()
     before = footprint(home, pid)
-    rss = {0: before["node_rss_mib"]}
+    memory = {0: _memory_mib(pid)}
     cycles = []
     async with Sandboxes(ctx.client) as sandboxes:
         for done in range(1, ctx.plan.soak + 1):
@@ -107,10 +114,11 @@ async def soak(ctx: Context) -> list[Row]:
             cycles.append((time.perf_counter() - started) * 1000)
             if done % every == 0 and done < ctx.plan.soak:
                 await ctx.quiet()
-                rss[done] = round(_rss_mib(pid), 1)
+                memory[done] = _memory_mib(pid)
     await ctx.quiet()
     after = footprint(home, pid)
-    rss[len(cycles)] = after["node_rss_mib"]
+    memory[len(cycles)] = _memory_mib(pid)
+    rss = {done: sample["VmRSS"] for done, sample in memory.items()}
     growth = {name: after[name] - before[name] for name in before}
     grown = sum(max(0, growth[name]) for name in COUNTS)
     late = second_half_growth(rss)
@@ -131,7 +139,10 @@ async def soak(ctx: Context) -> list[Row]:
             "soak-rss",
             summarize("soak: node RSS growth, second half", [late], unit="MiB"),
             note=rss_note,
-            details={"rss_mib_by_cycles": rss, "second_half_growth_mib": late},
+            details={
+                "memory_mib_by_cycles": memory,
+                "second_half_growth_mib": late,
+            },
         ),
         Row("soak-cycle", summarize("soak: create, exec, pause, resume, kill", cycles)),
     ]
