@@ -60,6 +60,7 @@ def main() -> int:
     parser.add_argument(
         "--seed", type=Path, metavar="HOME", help="start the node with the `base` template of this node home"
     )
+    parser.add_argument("--soak-cycles", type=int, metavar="N", help="soak cycles (default: the mode's)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -69,6 +70,7 @@ def main() -> int:
         profile=args.profile,
         profile_format=args.profile_format,
         seed=args.seed,
+        soak_cycles=args.soak_cycles,
     )
     try:
         return run(options)

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,10 +61,12 @@ class Options:
     profile: str | None = None
     profile_format: str = "speedscope"
     seed: Path | None = None  # a node home whose `base` template the harness's node starts with
+    soak_cycles: int | None = None  # instead of the mode's
 
     @property
     def plan(self) -> Plan:
-        return MODES[self.mode]
+        plan = MODES[self.mode]
+        return plan if self.soak_cycles is None else replace(plan, soak=self.soak_cycles)
 
     @property
     def selected(self) -> tuple[str, ...]:

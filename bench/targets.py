@@ -91,6 +91,9 @@ TARGETS: dict[str, Target] = {
     "density-ram": Target("value", "<=", 25, "MiB"),
     "density-cpu": Target("value", "<=", 0.3, "%"),
     "soak": Target("value", "<=", 0, "count"),
+    # RSS growth over the soak's second half (bench.soak): a plateau stays within noise, while a
+    # leak of 4 KiB per cycle would show 2 MiB over the 500 cycles of the full mode's second half
+    "soak-rss": Target("value", "<=", 2, "MiB"),
     # three small steps cost less than two builds without steps; a rebuild whose steps are all
     # cached costs what a build without steps costs
     "template-build": _ratio("median", "<=", 3),

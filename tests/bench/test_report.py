@@ -15,6 +15,7 @@ from bench.node import BenchError
 from bench.plan import MODES
 from bench.report import Row, table, write_json
 from bench.run import Options, _wanted
+from bench.soak import second_half_growth
 from bench.stats import percentile, summarize
 from bench.targets import FIGURES, TARGETS, Target
 
@@ -112,11 +113,20 @@ def test_selection_and_companion_rows():
     options = Options(mode="smoke", only=(), json_path=Path("x.json"))
     assert options.selected == MODES["smoke"].figures
     assert Options(mode="quick", only=("fork",), json_path=Path("x.json")).selected == ("fork",)
+    assert Options(mode="quick", only=(), json_path=Path("x.json"), soak_cycles=300).plan.soak == 300
     assert _wanted("density-overcommit", ("density",))
     assert _wanted("loaded-resume", ("loaded",)) and _wanted("fork-usable", ("fork",))
     assert _wanted("floor-restore", ("proxy-rtt",))
     assert not _wanted("resume", ("pause",))
     assert not _wanted("concurrent-resume", ("resume",))
+
+
+def test_soak_judges_the_rss_of_its_second_half():
+    plateau = {0: 100.0, 2: 108.0, 4: 111.0, 6: 111.5, 8: 111.2, 10: 111.4}
+    assert second_half_growth(plateau) == 0.4  # from cycle 4 (the last at or before 5) to 10
+    leak = {0: 100.0, 250: 103.0, 500: 106.0, 750: 109.0, 1000: 112.0}
+    assert second_half_growth(leak) == 6.0
+    assert second_half_growth({0: 50.0, 3: 52.5}) == 2.5  # one checkpoint: the whole run
 
 
 def _frame(message: dict, flags: int = 0) -> bytes:
