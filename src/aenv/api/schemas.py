@@ -19,7 +19,6 @@ from typing import Annotated, Any
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -32,6 +31,7 @@ from pydantic import (
 
 from ..config import Settings
 from ..volumes.store import NAME_PATTERN
+from ..wiretypes import INTEGRAL, Int
 
 StrMap = dict[StrictStr, StrictStr]
 
@@ -55,17 +55,6 @@ def _at_most(setting: str, unit: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-def _integral(value: Any) -> Any:
-    """JSON has one number type: 30.0 is the integer 30 (JSON Schema's `integer` says so too)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-# Integers, also when spelled 30.0; never strings or fractions. (Bounds go before the
-# BeforeValidator, so that they are declared in the JSON schema as minimum and maximum.)
-INTEGRAL = BeforeValidator(_integral)
-Int = Annotated[StrictInt, INTEGRAL]
 Timeout = Annotated[
     StrictInt,
     Field(ge=0, description="seconds", json_schema_extra={LIMIT_KEY: "max_timeout"}),

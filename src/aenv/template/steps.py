@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from aenv.template.image import ImageError
+from aenv.wiretypes import INTEGRAL
 
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"  # a template name is a repository alias
@@ -43,7 +44,9 @@ Tag = Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # Strict as the control plane's bodies: a wrong JSON type (`"cpuCount": "6"`) is a 400, not
+    # quietly coerced.
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 class RegistryConfig(_Wire):
@@ -95,9 +98,9 @@ class BuildRequest(_Wire):
 
     name: str = Field(max_length=255, pattern=REFERENCE_PATTERN)
     tags: list[Tag] | None = Field(default=None, max_length=64)
-    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=64)
-    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=128, le=65536)
-    min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMb", ge=0)
+    cpu_count: Annotated[int | None, INTEGRAL] = Field(default=None, alias="cpuCount", ge=1, le=64)
+    memory_mb: Annotated[int | None, INTEGRAL] = Field(default=None, alias="memoryMB", ge=128, le=65536)
+    min_free_disk_mb: Annotated[int | None, INTEGRAL] = Field(default=None, alias="minFreeDiskMb", ge=0)
 
 
 class TagsRequest(_Wire):
