@@ -39,6 +39,8 @@ def held(node: NodeServer) -> dict[str, float]:
     """What the node holds on the host, as the soak counts it (see the module docstring)."""
     assert node.pid is not None
     counts = footprint(node.home, node.pid)
+    # This node's namespaces only: the session's other node may still be refilling its pools.
+    counts["namespaces"] = len(node.owned_netns())
     return {name: value for name, value in counts.items() if name not in PER_PROCESS}
 
 
