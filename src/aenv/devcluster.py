@@ -87,7 +87,9 @@ def redis_server(workdir: Path) -> Iterator[RedisServer]:
         raise RuntimeError("redis-server is missing: apt-get install redis-server")
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    # Ended with the process that started it, even one killed before its cleanup ran.
     args = [
+        "setpriv", "--pdeathsig", "TERM", "--",
         binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
         "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(workdir / "redis.log"),
     ]  # fmt: skip
