@@ -287,6 +287,7 @@ class Stream:
         self.unexpected: list[str] = []  # answers no fault explains
         self.counts: Counter[str] = Counter()
         self._gateway = 0
+        self._failed_over = False  # the last call was cut off once: its first try may have been done
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream", daemon=True)
         self._failure: BaseException | None = None
@@ -343,7 +344,10 @@ class Stream:
 
     def _kill(self, sandbox_id: str) -> None:
         answer = self._call(f"/sandboxes/{sandbox_id}", None, "DELETE")
-        if answer is not None and answer.status_code == 204:
+        # A kill tried again on the other gateway finds the sandbox gone when the first try (cut
+        # off with its gateway) did kill it: a 404 that names no lost sandbox is then the kill's.
+        gone = answer is not None and answer.status_code == 404 and "lost" not in answer.text
+        if answer is not None and (answer.status_code == 204 or (gone and self._failed_over)):
             del self.acked[sandbox_id]
             self.killed.add(sandbox_id)
             self.counts.update(["kill", "ops"])
@@ -361,6 +365,7 @@ class Stream:
     def _call(self, path: str, body: Body, method: str = "POST") -> httpx.Response | None:
         """The answer of whichever gateway gives one; None when none did in `RETRY_FOR`."""
         deadline = time.monotonic() + RETRY_FOR
+        self._failed_over = False
         while True:
             gateway = self.cluster.gateways[self._gateway]
             try:
@@ -368,6 +373,7 @@ class Stream:
                                        headers={"X-API-Key": self.cluster.key})  # fmt: skip
             except httpx.TransportError:
                 self._gateway = 1 - self._gateway
+                self._failed_over = True
                 self.counts["failover to the other gateway"] += 1
                 answer = None
             else:

@@ -21,6 +21,7 @@ from aenv.cluster.remote import RemoteNode, cluster_client
 from aenv.config import Settings
 from aenv.devnode import free_port
 from aenv.orchestrator.errors import Conflict, NotFound, OperationFailed, Unavailable
+from aenv.orchestrator.states import State
 from tests.cluster.fakes import FakeNode, FakeScheduler, manifest, node_info
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope): so do these tests.
@@ -190,6 +191,27 @@ async def test_a_sandbox_its_node_no_longer_has_loses_its_binding(cluster: Clust
     del node.sandboxes[sandbox_id]  # ended on the node (its timeout, say)
     assert (await cluster.gateway.get(f"/sandboxes/{sandbox_id}")).status_code == 404
     assert sandbox_id not in cluster.scheduler.bound
+
+
+async def test_what_a_node_did_is_answered_done_when_the_scheduler_cannot_record_it(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler restarting after the node paused or killed: the client hears it was done
+    (a retried kill would find nothing); the node's own report records it later."""
+    sandbox_id = (await cluster.create())["sandboxID"]
+    node = cluster.nodes[cluster.scheduler.bound[sandbox_id].node_id]
+
+    async def away(*args: object) -> None:
+        raise Unavailable("the scheduler is unreachable")
+
+    monkeypatch.setattr(cluster.scheduler, "bind", away)
+    monkeypatch.setattr(cluster.scheduler, "unbind", away)
+    assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+    assert node.sandboxes[sandbox_id].state == State.PAUSED
+    resumed = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    assert resumed.status_code == 201, resumed.text
+    assert (await cluster.gateway.delete(f"/sandboxes/{sandbox_id}")).status_code == 204
+    assert sandbox_id not in node.sandboxes
 
 
 async def test_fork_stays_on_the_source_node_and_binds_the_children(cluster: Cluster) -> None:

@@ -115,6 +115,31 @@ async def test_a_restarted_node_does_not_bind_what_was_taken_over_meanwhile(
         await membership.close()
 
 
+async def test_close_ends_the_loop_when_a_change_wakes_it_at_the_same_moment(
+    scheduler: ClusterScheduler,
+) -> None:
+    """A shutdown kills the node's sandboxes (each wakes the loop) just before it closes the
+    membership: the wake-up must not swallow the cancellation (as 3.11's `wait_for` does)."""
+    fake = FakeNode()
+    fake.sandboxes = {"s1": "running"}
+    membership = Membership(scheduler, fake, "n1", "http://n1:8000", interval=60.0)
+    await membership.start()
+    await eventually(lambda: _equals(bound(scheduler), {"s1": "running"}))
+    await asyncio.sleep(INTERVAL)  # the loop waits for a change or its next heartbeat
+    fake.sandboxes = {}
+    membership.changed("s1")
+    closing = asyncio.ensure_future(membership.close())
+    done, _ = await asyncio.wait({closing}, timeout=10)
+    if not done:  # the loop went on: end it for good, then fail
+        assert membership._task is not None
+        membership._task.print_stack()
+        print(membership._task, membership._task.cancelling())
+        membership._task.cancel()
+        await closing
+    assert done, "close() waited for a loop that ignored its cancellation"
+    assert await bound(scheduler) == {}  # the last report went out all the same
+
+
 async def test_an_unreachable_scheduler_is_retried(redis_url: str) -> None:
     port = free_port()
     fake = FakeNode()

@@ -7,6 +7,7 @@ capabilities, seccomp mode and cgroup limits on a real node.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -190,6 +191,28 @@ def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
     for group in tree.group("vm-6").values():
         group.mkdir(parents=True)
     assert tree.remove_unused() == 3
+
+
+def test_a_group_removed_before_its_vm_joined_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another VM's end removes every empty group on the host, a new one included: the VM
+    about to join it makes it again."""
+    tree = fake_v1(tmp_path)
+    join = CgroupTree.join
+    removed: list[str] = []
+
+    def join_after_a_removal(self: CgroupTree, name: str, pid: int) -> None:
+        if not removed:
+            removed.append(name)
+            for path in self.group(name).values():
+                shutil.rmtree(path)
+        join(self, name, pid)
+
+    monkeypatch.setattr(CgroupTree, "join", join_after_a_removal)
+    Confinement(cgroups=tree).enter(9, vcpus=1, memory_mib=512)
+    assert removed == ["vm-9"]
+    assert all((path / "cgroup.procs").read_text() == "9" for path in tree.group("vm-9").values())
 
 
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")

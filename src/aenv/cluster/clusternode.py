@@ -212,14 +212,14 @@ class ClusterNode:
     async def kill(self, sandbox_id: str) -> None:
         async def kill(node: RemoteNode, binding: Binding) -> None:
             await node.kill(sandbox_id)
-            await self.scheduler.unbind(sandbox_id, node.node_id)
+            await self._after(sandbox_id, self.scheduler.unbind(sandbox_id, node.node_id))
 
         await self._on_holder(sandbox_id, kill)
 
     async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
         async def pause(node: RemoteNode, binding: Binding) -> None:
             await node.pause(sandbox_id, memory=memory)
-            await self.scheduler.bind(binding.model_copy(update={"state": "paused"}))
+            await self._after(sandbox_id, self.scheduler.bind(binding.model_copy(update={"state": "paused"})))
 
         await self._on_holder(sandbox_id, pause)
 
@@ -281,12 +281,23 @@ class ClusterNode:
         )  # fmt: skip
         info = await self.scheduler.place(placement)
         record = await self.remote(info).take_over(binding.sandbox_id, timeout)
-        await self._bind(record, info.node_id)
+        await self._after(record.sandbox_id, self._bind(record, info.node_id))
         return record
 
     async def _rebind(self, binding: Binding, record: SandboxRecord) -> None:
         if binding.state != "running":
-            await self.scheduler.bind(binding.model_copy(update={"state": "running"}))
+            await self._after(
+                record.sandbox_id, self.scheduler.bind(binding.model_copy(update={"state": "running"}))
+            )
+
+    async def _after(self, sandbox_id: str, change: Awaitable[object]) -> None:
+        """A binding change that follows what a node did. The node's membership reports the same
+        change itself, so a scheduler that cannot take it now (restarting) must not turn the
+        done operation into a failure: the client would retry a kill or pause that was done."""
+        try:
+            await change
+        except Unavailable as exc:
+            log.warning("the scheduler learns of sandbox %s from its node: %s", sandbox_id, exc.message)
 
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self._on_holder(sandbox_id, lambda node, _: node.set_timeout(sandbox_id, timeout))
@@ -304,7 +315,7 @@ class ClusterNode:
 
         async def fork(node: RemoteNode, binding: Binding) -> list[SandboxRecord]:
             children = await node.fork(sandbox_id, count, timeout)
-            await asyncio.gather(*(self._bind(child, node.node_id) for child in children))
+            await asyncio.gather(*(self._after(c.sandbox_id, self._bind(c, node.node_id)) for c in children))
             return children
 
         return await self._on_holder(sandbox_id, fork)

@@ -138,6 +138,7 @@ class Membership:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        self._closing = False
 
     @classmethod
     def for_node(cls, settings: Settings, orchestrator: Orchestrator, node_id: str) -> Membership:
@@ -157,7 +158,13 @@ class Membership:
         self._task = asyncio.create_task(self._run(), name="cluster-membership")
 
     async def close(self) -> None:
-        """Stop, after one last report (the node's shutdown paused or killed its sandboxes)."""
+        """Stop, after one last report (the node's shutdown paused or killed its sandboxes).
+
+        The loop also ends by itself once it sees `_closing`: on Python 3.11 a cancellation can
+        be lost (its `asyncio.wait_for`, which redis-py uses to send a command, returns the
+        result of an operation that ends as the cancellation arrives)."""
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -169,7 +176,7 @@ class Membership:
             await self.scheduler.close()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.step()
                 if self._failing:
@@ -189,7 +196,8 @@ class Membership:
                 await self._retry_later()
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, self._next_beat - time.monotonic()))
+                async with asyncio.timeout(max(0.0, self._next_beat - time.monotonic())):
+                    await self._wake.wait()
 
     async def _retry_later(self) -> None:
         self._failing = True

@@ -45,6 +45,9 @@ KVM_DEVICE = Path("/dev/kvm")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
 GROUP_PREFIX = "vm-"
+# A new group is empty until its QEMU joins; another VM's end (this node's or another node's on
+# the host) may remove it in that instant. Each retry makes it again.
+JOIN_ATTEMPTS = 5
 PROBE = "probe"
 V1_CONTROLLERS = ("cpu", "memory", "pids")
 # The cgroup v2 leaf the node moves itself into when its own group holds processes: v2 lets
@@ -289,10 +292,17 @@ class Confinement:
 
     def enter(self, pid: int, vcpus: int, memory_mib: int) -> None:
         """Put a just-spawned QEMU into a new group of its own with its limits."""
-        if self.cgroups is not None:
-            name = group_name(pid)
+        if self.cgroups is None:
+            return
+        name = group_name(pid)
+        for attempt in range(JOIN_ATTEMPTS):
             self.cgroups.create(name, self.limits(vcpus, memory_mib))
-            self.cgroups.join(name, pid)
+            try:
+                self.cgroups.join(name, pid)
+                return
+            except FileNotFoundError:  # removed while still empty (see `release`): make it again
+                if attempt == JOIN_ATTEMPTS - 1:
+                    raise
 
     def give_back(self, user: RuntimeUser | None) -> None:
         """`user`'s QEMU exited (or never started): its uid is free for another VMM."""
