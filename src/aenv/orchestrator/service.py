@@ -216,7 +216,18 @@ class Orchestrator:
                     await self._recover(sandbox, networks or {})
                 else:
                     await self._settle(sandbox)
+        if killed := self.engine.kill_unclaimed_vms(self._claimed_pids()):
+            log.warning("ended the VMs of creates the previous node process did not finish: pids %s", killed)
         self._evictor = asyncio.create_task(self._evict_forever())
+
+    def _claimed_pids(self) -> set[int]:
+        """The QEMU processes the recovered sandboxes own (running, or parked while paused)."""
+        claimed = {s.vm.guest.vm.pid for s in self.sandboxes.values() if s.vm is not None}
+        for sandbox_id in self.sandboxes:
+            with contextlib.suppress(OSError, ValueError):
+                if (pid := self.engine.load_state(sandbox_id).pid) is not None:
+                    claimed.add(pid)
+        return claimed
 
     async def _recover(self, sandbox: Sandbox, networks: dict[str, SandboxNetwork]) -> None:
         """A sandbox the previous node process left in a running or transitional state."""

@@ -37,7 +37,7 @@ from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxV
 from .parking import ParkingPolicy
 from .pausing import Pauses
 from .pending import PendingSnapshots
-from .recovery import Recovery
+from .recovery import Recovery, kill_unclaimed_vms
 from .repository import SnapshotRepository
 from .templates import TemplateBuilder
 from .warm import WarmVMs
@@ -195,6 +195,9 @@ class SnapshotEngine:
 
     def cleanup_warm_leftovers(self) -> int:
         return self.recovery.cleanup_warm_leftovers()
+
+    def kill_unclaimed_vms(self, claimed: set[int]) -> list[int]:
+        return kill_unclaimed_vms(self.host.layers, claimed)
 
     def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
         return self.recovery.collect_garbage(grace_seconds=grace_seconds, keep=self.pending.layers())

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..network.netns import SandboxNetwork
@@ -55,17 +56,38 @@ def kill_stray(layers: LayerStore, pid: int | None, layer_ids: list[str]) -> Non
             os.kill(pid, signal.SIGKILL)
 
 
-def layers_of_running_vms(layers: LayerStore) -> set[str]:
-    """Layers named on the command line of a live QEMU process: whatever they are, they are in use."""
+def _vms_on(layers: LayerStore) -> Iterator[tuple[int, list[str]]]:
+    """Each live QEMU process with the layers of `layers` its command line names (maybe none)."""
     pattern = re.compile(re.escape(str(layers.root)).encode() + rb"/([a-z0-9]+)\.qcow2")
-    found: set[str] = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            with contextlib.suppress(OSError):
+            try:
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-                if QEMU_BINARY_NAME in cmdline.split(b"\0", 1)[0]:
-                    found.update(match.decode() for match in pattern.findall(cmdline))
-    return found
+            except OSError:
+                continue
+            if QEMU_BINARY_NAME in cmdline.split(b"\0", 1)[0]:
+                yield int(entry), [match.decode() for match in pattern.findall(cmdline)]
+
+
+def layers_of_running_vms(layers: LayerStore) -> set[str]:
+    """Layers named on the command line of a live QEMU process: whatever they are, they are in use."""
+    return {layer for _, named in _vms_on(layers) for layer in named}
+
+
+def kill_unclaimed_vms(layers: LayerStore, claimed: set[int]) -> list[int]:
+    """Kill the QEMU processes on this node's layers that no sandbox claims; their pids.
+
+    At start-up, after the sandboxes were adopted and the warm VMs' records ended theirs: what is
+    left was being started when the previous node process died (a create before its state was
+    saved, a warm VM being handed over, a template build), and nothing will ever end it.
+    """
+    killed = []
+    for pid, named in _vms_on(layers):
+        if named and pid not in claimed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
 
 
 class Recovery:
