@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
@@ -65,6 +65,9 @@ def test_generated_requests(
             suppress_health_check=list(HealthCheck),
         )
         def check(case: schemathesis.Case) -> None:
+            # A query parameter whose value is an empty list is not sent at all, so a request
+            # made invalid only by such an extra parameter arrives valid: nothing to reject.
+            assume(not any(value == [] for value in (case.query or {}).values()))
             case.call_and_validate(headers={"X-API-Key": node.key}, timeout=120)
 
         try:
