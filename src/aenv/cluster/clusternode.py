@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import fields, replace
 from datetime import datetime
@@ -55,6 +56,10 @@ T = TypeVar("T")
 LIVE = (NodeState.UP, NodeState.DRAINING)  # nodes whose sandboxes can be reached
 CLUSTER_ID = "cluster"  # the node id `status` reports for the whole cluster
 MAX_PLACEMENTS = 8  # nodes one create tries at most before it gives up
+# Seconds a gateway reuses the scheduler's list of live nodes: every page of a list asks all of
+# them, and the scheduler's answer cost as much as a node's page. A joining node is asked within
+# this; a dead one is asked (and left out) until the scheduler has it down, 10 s by default, anyway.
+LIVE_FOR = 1.0
 
 
 def _started(record: SandboxRecord) -> datetime:
@@ -73,12 +78,19 @@ class ClusterNode:
     def __init__(self, scheduler: Scheduler, client: aiohttp.ClientSession):
         self.scheduler = scheduler
         self.client = client
+        self._live: tuple[float, list[NodeInfo]] | None = None  # when asked, and the answer
 
     def remote(self, info: NodeInfo) -> RemoteNode:
         return RemoteNode(info.node_id, info.address, self.client)
 
     async def live_nodes(self) -> list[NodeInfo]:
-        return [n for n in await self.scheduler.nodes() if n.status in LIVE]
+        """The nodes whose sandboxes can be reached, as the scheduler had them at most `LIVE_FOR` ago."""
+        asked = time.monotonic()
+        if self._live is not None and asked - self._live[0] < LIVE_FOR:
+            return self._live[1]
+        live = [n for n in await self.scheduler.nodes() if n.status in LIVE]
+        self._live = (asked, live)
+        return live
 
     # -- sandbox to node ----------------------------------------------------------------------
 
