@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
@@ -21,7 +21,9 @@ from aenv.cluster.remote import RemoteNode, cluster_client
 from aenv.config import Settings
 from aenv.devnode import free_port
 from aenv.orchestrator.errors import Conflict, NotFound, OperationFailed, Unavailable
+from aenv.orchestrator.interface import ListQuery
 from aenv.orchestrator.states import State
+from aenv.orchestrator.store import SandboxRecord
 from tests.cluster.fakes import FakeNode, FakeScheduler, manifest, node_info
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope): so do these tests.
@@ -132,6 +134,34 @@ async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None
             break
     assert paged == everything
     assert [s["startedAt"] for s in everything] == sorted((s["startedAt"] for s in everything), reverse=True)
+
+
+async def test_a_page_mostly_from_one_node_is_whole_also_from_a_node_that_ignores_paging(
+    cluster: Cluster,
+) -> None:
+    """Each node is first asked for its share of a page only: one holding more of it is asked again."""
+    cluster.nodes["na"].full = True
+    on_nb = {(await cluster.create())["sandboxID"] for _ in range(10)}
+    cluster.nodes["na"].full = False
+    on_na = (await cluster.create())["sandboxID"]
+    unpaged = cluster.nodes["nb"].list
+
+    async def ignoring_paging(query: ListQuery) -> list[SandboxRecord]:
+        return await unpaged(replace(query, after=None, limit=None))
+
+    for order in ("desc", "asc"):
+        everything = (await cluster.gateway.get("/v2/sandboxes", params={"order": order})).json()
+        assert {s["sandboxID"] for s in everything} == on_nb | {on_na}
+        for nb_list in (unpaged, ignoring_paging):
+            cluster.nodes["nb"].list = nb_list  # type: ignore[method-assign]
+            paged, token = [], None
+            while True:
+                params = {"limit": "8", "order": order} | ({"nextToken": token} if token else {})
+                response = await cluster.gateway.get("/v2/sandboxes", params=params)
+                paged += response.json()
+                if not (token := response.headers.get("X-Next-Token")):
+                    break
+            assert paged == everything
 
 
 async def test_a_full_node_or_one_without_the_template_passes_the_create_on(cluster: Cluster) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import fields, replace
 from datetime import datetime
@@ -55,10 +57,36 @@ T = TypeVar("T")
 LIVE = (NodeState.UP, NodeState.DRAINING)  # nodes whose sandboxes can be reached
 CLUSTER_ID = "cluster"  # the node id `status` reports for the whole cluster
 MAX_PLACEMENTS = 8  # nodes one create tries at most before it gives up
+# Seconds a gateway reuses the scheduler's list of live nodes: every page of a list asks all of
+# them, and the scheduler's answer cost as much as a node's page. A joining node is asked within
+# this; a dead one is asked (and left out) until the scheduler has it down, 10 s by default, anyway.
+LIVE_FOR = 1.0
+SHARE_MARGIN = 1.5  # a paged list first asks each of n nodes for this many times 1/n of the page
 
 
 def _started(record: SandboxRecord) -> datetime:
     return datetime.fromisoformat(record.started_at)
+
+
+def _ordered(query: ListQuery, records: list[SandboxRecord]) -> list[SandboxRecord]:
+    """`records` of several nodes in a single node's order (start time, then id), paged by `query`."""
+    records.sort(key=lambda r: r.sandbox_id)
+    records.sort(key=_started, reverse=query.order == "desc")
+    return query.page(records)
+
+
+def _rest(
+    query: ListQuery, limit: int, page: list[SandboxRecord], lasts: dict[str, SandboxRecord]
+) -> dict[str, ListQuery]:
+    """What to ask of nodes that may hold more (`lasts`: the last record each sent) for `page` to be
+    certain: a node whose last record is in it before its end, for the records after that one
+    that could still fall in it."""
+    position = {id(record): i for i, record in enumerate(page)}
+    rest = {}
+    for node_id, last in lasts.items():
+        if (at := position.get(id(last), limit)) < limit - 1:
+            rest[node_id] = replace(query, after=(last.started_at, last.sandbox_id), limit=limit - at - 1)
+    return rest
 
 
 def _rendezvous(key: str, nodes: Iterable[NodeInfo]) -> list[NodeInfo]:
@@ -73,12 +101,19 @@ class ClusterNode:
     def __init__(self, scheduler: Scheduler, client: aiohttp.ClientSession):
         self.scheduler = scheduler
         self.client = client
+        self._live: tuple[float, list[NodeInfo]] | None = None  # when asked, and the answer
 
     def remote(self, info: NodeInfo) -> RemoteNode:
         return RemoteNode(info.node_id, info.address, self.client)
 
     async def live_nodes(self) -> list[NodeInfo]:
-        return [n for n in await self.scheduler.nodes() if n.status in LIVE]
+        """The nodes whose sandboxes can be reached, as the scheduler had them at most `LIVE_FOR` ago."""
+        asked = time.monotonic()
+        if self._live is not None and asked - self._live[0] < LIVE_FOR:
+            return self._live[1]
+        live = [n for n in await self.scheduler.nodes() if n.status in LIVE]
+        self._live = (asked, live)
+        return live
 
     # -- sandbox to node ----------------------------------------------------------------------
 
@@ -186,18 +221,43 @@ class ClusterNode:
         return (await self.locate(sandbox_id))[1].node_id
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        """Every live node's matches, in a single node's order: start time, then id. A paged
-        query's page is each node's page merged, cut to the page again."""
-        answers = await self._each_node(lambda n: n.list(query))
-        found = [record for _, records in answers for record in records]
-        found.sort(key=lambda r: r.sandbox_id)
-        found.sort(key=_started, reverse=query.order == "desc")
-        return query.page(found)
+        """Every live node's matches, in a single node's order: start time, then id.
 
-    async def _each_node(self, call: Callable[[RemoteNode], Awaitable[T]]) -> list[tuple[NodeInfo, T]]:
-        """`call` on every live node at once; a node that fails is left out (and logged): the
-        others' answers are still the truth about their sandboxes."""
-        nodes = await self.live_nodes()
+        A paged query's page is the nodes' pages merged, cut to the page again. Each node is first
+        asked for its even share of the page with a margin (`SHARE_MARGIN`), not a whole page:
+        decoding what the nodes send is most of what a page through a gateway costs. A node that
+        may hold more, and whose last record is inside the merged page before its end, is then
+        asked for the rest after that record, until the page is certain.
+        """
+        nodes = {n.node_id: n for n in await self.live_nodes()}
+        limit = query.limit
+        share = limit and min(limit, math.ceil(limit * SHARE_MARGIN / max(len(nodes), 1)))
+        asks = {node_id: replace(query, limit=share) for node_id in nodes}
+        found: dict[str, list[SandboxRecord]] = {}
+        more: set[str] = set()  # nodes that sent all they were asked for, so may hold more
+        while True:
+            answers = await self._each_node(lambda n: n.list(asks[n.node_id]), [nodes[i] for i in asks])
+            for node_id in asks.keys() - {info.node_id for info, _ in answers}:
+                found.pop(node_id, None)  # a node that failed is left out, also what it sent before
+                more.discard(node_id)
+            for info, records in answers:
+                ask = asks[info.node_id]
+                records = ask.page(records)  # as the node should have (it may ignore paging)
+                found.setdefault(info.node_id, []).extend(records)
+                if records and len(records) == ask.limit:
+                    more.add(info.node_id)
+                else:
+                    more.discard(info.node_id)
+            page = _ordered(query, [r for records in found.values() for r in records])
+            if limit is None or not (asks := _rest(query, limit, page, {i: found[i][-1] for i in more})):
+                return page
+
+    async def _each_node(
+        self, call: Callable[[RemoteNode], Awaitable[T]], nodes: Iterable[NodeInfo] | None = None
+    ) -> list[tuple[NodeInfo, T]]:
+        """`call` on every live node (or on `nodes`) at once; a node that fails is left out (and
+        logged): the others' answers are still the truth about their sandboxes."""
+        nodes = list(await self.live_nodes() if nodes is None else nodes)
         answers = await asyncio.gather(*(call(self.remote(n)) for n in nodes), return_exceptions=True)
         results = []
         for info, answer in zip(nodes, answers, strict=True):

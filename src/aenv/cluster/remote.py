@@ -95,8 +95,8 @@ class RemoteNode:
         body = wire.encode_arguments(method, arguments)
         content = await self._send("POST", wire.call_path(method), json=body)
         try:
-            return wire.decode_result(method, json.loads(content)["result"])
-        except (ValueError, KeyError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            return wire.decode_answer(method, content)
+        except ValueError as exc:  # pydantic's ValidationError is one
             raise OperationFailed(
                 f"node {self.node_id} answered {method} with an unexpected body: {exc}"
             ) from exc

@@ -6,8 +6,11 @@ forwards. Instead every `NodeService` call travels whole: `POST /cluster/node/{m
 call's keyword arguments as JSON, answered with `{"result": ...}` or the node's usual
 `{"code", "message"}` error. The JSON shapes come from the protocol's own type hints (pydantic
 `TypeAdapter`s), so a method added to `NodeService` works through the gateway without a second
-mapping to keep in step. The route is internal: it is mounted outside the public OpenAPI routes
-and, on a node in a cluster, taken only with the cluster secret (`aenv.cluster.auth`).
+mapping to keep in step. Answers are written and read by pydantic's JSON codec, which turns a
+page of records into bytes and back in a fraction of the time of `json` with Python-side dumping
+and validation (a list through a gateway carries a page from every node). The route is internal:
+it is mounted outside the public OpenAPI routes and, on a node in a cluster, taken only with the
+cluster secret (`aenv.cluster.auth`).
 
 Two calls do not travel this way: `route` (a sandbox's network namespace exists only on its
 node; a gateway's proxy forwards to the node instead) and `receive_template_file` (a streamed
@@ -22,6 +25,7 @@ from typing import Any, get_type_hints
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
+from typing_extensions import TypedDict
 
 from ..orchestrator.errors import InvalidRequest, NotFound
 from ..orchestrator.interface import NodeService
@@ -35,11 +39,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @functools.cache
 def _adapters(method: str) -> tuple[dict[str, TypeAdapter[Any]], TypeAdapter[Any]]:
+    """The call's arguments, and its whole answer `{"result": ...}`."""
     if method not in CALLS:
         raise NotFound(f"no node call {method!r}")
     hints = get_type_hints(getattr(NodeService, method))
-    result = TypeAdapter(hints.pop("return"))
-    return {name: TypeAdapter(kind) for name, kind in hints.items()}, result
+    # The functional form: the result's type is known only here.
+    answer = TypedDict(f"{method}_answer", {"result": hints.pop("return")})  # type: ignore[operator]  # noqa: UP013
+    return {name: TypeAdapter(kind) for name, kind in hints.items()}, TypeAdapter(answer)
 
 
 def call_path(method: str) -> str:
@@ -64,12 +70,14 @@ def decode_arguments(method: str, body: Any) -> dict[str, Any]:
         raise InvalidRequest(f"invalid arguments to {method}: {exc}") from exc
 
 
-def encode_result(method: str, value: Any) -> Any:
-    return _adapters(method)[1].dump_python(value, mode="json", by_alias=True)
+def encode_answer(method: str, value: Any) -> bytes:
+    """The node's answer to a call, `{"result": value}`, as JSON."""
+    return _adapters(method)[1].dump_json({"result": value}, by_alias=True)
 
 
-def decode_result(method: str, data: Any) -> Any:
-    return _adapters(method)[1].validate_python(data)
+def decode_answer(method: str, content: bytes) -> Any:
+    """The result in a node's answer; a ValidationError (a ValueError) for a body that is not one."""
+    return _adapters(method)[1].validate_json(content)["result"]
 
 
 def node_route(node: NodeService) -> tuple[str, str, Handler]:
@@ -83,6 +91,6 @@ def node_route(node: NodeService) -> tuple[str, str, Handler]:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
         arguments = decode_arguments(method, body)
         result = await getattr(node, method)(**arguments)
-        return web.json_response({"result": encode_result(method, result)})
+        return web.Response(body=encode_answer(method, result), content_type="application/json")
 
     return "POST", CALL_PATH, call
