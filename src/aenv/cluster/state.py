@@ -49,8 +49,8 @@ report of a take-over that raced the kill cannot bind it again either. A tombsto
 `tombstone_ttl` (a setting, 30 days by default), also after its node killed the sandbox,
 rather than until the node acknowledges it: a node that never comes back would keep its
 tombstones forever, and an acknowledgement would let another node's late report through. A node
-away for longer than that could bind a node-local pause killed meanwhile again; a durable pause
-cannot come back that way, as its node's kill claims it in the shared repository.
+away for longer than that would bind again what was killed meanwhile, so the setting is to be
+longer than any outage a node comes back from with its disk.
 """
 
 from __future__ import annotations
