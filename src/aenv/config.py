@@ -97,6 +97,9 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"  # the scheduler's shared state
     heartbeat_interval: float = 2.0  # seconds between a node's heartbeats
     node_down_after: float = 10.0  # a node silent this long is down
+    # How long the scheduler remembers a sandbox killed while its node was down (its tombstone):
+    # the node, back within this time, kills it instead of binding it again.
+    tombstone_ttl: float = 30 * 86400.0
     log_level: str = "INFO"
 
     @property
@@ -138,8 +141,8 @@ class Settings:
         for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval", "disk_reserve_mib"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
-        if self.lease_ttl <= 0:
-            problems.append("lease_ttl must be positive")
+        if self.lease_ttl <= 0 or self.tombstone_ttl <= 0:
+            problems.append("lease_ttl and tombstone_ttl must be positive")
         if problems:
             raise ConfigError("; ".join(problems))
         return self

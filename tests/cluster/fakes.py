@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
+from aenv.cluster.protocols import SandboxKilled
 from aenv.orchestrator.errors import Conflict, NotFound, Unavailable
 from aenv.orchestrator.housekeeping import GcTotals
 from aenv.orchestrator.interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus
@@ -34,6 +35,7 @@ class FakeScheduler:
     def __init__(self) -> None:
         self.infos: dict[str, NodeInfo] = {}
         self.bound: dict[str, Binding] = {}
+        self.tombstones: dict[str, str] = {}  # sandbox id -> the node it was killed on (no expiry)
         self.placements: list[str] = []
 
     async def register(self, node: NodeInfo) -> NodeInfo:
@@ -76,12 +78,25 @@ class FakeScheduler:
                 load[binding.node_id] += 1
         chosen = min(candidates, key=lambda n: (load[n.node_id], n.node_id))
         self.placements.append(chosen.node_id)
+        if request.kind == "resume" and request.sandbox_id not in self.bound:
+            raise NotFound(f"sandbox {request.sandbox_id} is not bound to any node")
         if request.kind == "create" and request.sandbox_id:
+            if request.sandbox_id in self.bound or request.sandbox_id in self.tombstones:
+                raise Conflict(f"sandbox {request.sandbox_id} is bound already")
             await self.bind(Binding(sandbox_id=request.sandbox_id, node_id=chosen.node_id))
         return chosen
 
     async def bind(self, binding: Binding) -> None:
+        if binding.sandbox_id in self.tombstones:
+            raise SandboxKilled(f"sandbox {binding.sandbox_id} was killed: it is not bound again")
         self.bound[binding.sandbox_id] = binding
+
+    async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:
+        binding = (await self.locate(sandbox_id))[0]
+        if binding.node_id != node_id:
+            raise Conflict(f"sandbox {sandbox_id} is on node {binding.node_id} now")
+        self.tombstones[sandbox_id] = node_id
+        return self.bound.pop(sandbox_id)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         if (binding := self.bound.get(sandbox_id)) is not None and binding.node_id == node_id:

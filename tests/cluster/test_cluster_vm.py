@@ -497,12 +497,15 @@ def test_kill_9_of_a_gateway_the_scheduler_and_a_node_loses_no_acknowledged_sand
     print(f"accounted for after the crash of {victim}: {outcome}", file=sys.stderr)
     assert durable in outcome["running"] and running in outcome["lost"]
     check_acknowledged(cluster, stream, outcome)
+    kill_while_down(cluster, running)  # lost, and killed: it must not come back with its node
+    outcome["lost"].remove(running)
 
     node.start()  # the node rejoins: its sandboxes are back, what was taken over stays where it went
     cluster.crashed.remove(node)
     wait_until(cluster.all_up, 60, what="the node to rejoin")
     check_rejoined(cluster, outcome, victim, durable)
-    check_bindings_and_kill_everything(cluster, ids, stream.killed)
+    check_killed_while_down(cluster, victim, running)
+    check_bindings_and_kill_everything(cluster, [i for i in ids if i != running], stream.killed | {running})
     try:
         wait_until(lambda: all(held(cluster)[n] <= before[n] for n in LEAKS), 120, 1, what="no leaks")
     except AssertionError:
@@ -531,6 +534,27 @@ def check_acknowledged(cluster: Cluster, stream: Stream, outcome: dict[str, set[
         assert stream.acked.get(sandbox_id, "running") == "running" or sandbox_id in stream.unsure
     for sandbox_id in outcome["waiting"]:
         assert stream.acked.get(sandbox_id) == "paused" or sandbox_id in stream.unsure
+
+
+def kill_while_down(cluster: Cluster, sandbox_id: str) -> None:
+    """A sandbox reported lost is killed through a gateway: done, and gone for the cluster."""
+    with cluster.api(1) as api:
+        assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+        gone = api.get(f"/sandboxes/{sandbox_id}")
+        assert gone.status_code == 404 and "lost" not in gone.json()["message"], gone.text
+
+
+def check_killed_while_down(cluster: Cluster, victim: str, sandbox_id: str) -> None:
+    """The node that came back killed the sandbox killed while it was down: no record, VM or
+    files of it left, and the gateway still does not know it."""
+    node = cluster.nodes[victim]
+    on_victim, secret = f"{node.url}/sandboxes/{sandbox_id}", {CLUSTER_SECRET_HEADER: cluster.secret}
+    wait_until(lambda: httpx.get(on_victim, headers=secret).status_code == 404, 30, what="its kill there")
+    assert not [path for path in vms(cluster)[node.home.name] if sandbox_id in path]
+    assert not (node.home / "sandboxes" / sandbox_id).exists()
+    with cluster.api(1) as api:
+        gone = api.get(f"/sandboxes/{sandbox_id}")
+        assert gone.status_code == 404 and "lost" not in gone.json()["message"], gone.text
 
 
 def check_rejoined(cluster: Cluster, outcome: dict[str, set[str]], victim: str, durable: str) -> None:

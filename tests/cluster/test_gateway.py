@@ -16,7 +16,8 @@ from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.cluster.gateway import gateway_app
-from aenv.cluster.model import NodeState
+from aenv.cluster.model import Binding, NodeState
+from aenv.cluster.protocols import SandboxKilled
 from aenv.cluster.remote import RemoteNode, cluster_client
 from aenv.config import Settings
 from aenv.devnode import free_port
@@ -197,6 +198,43 @@ async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster:
     nodes = {n["id"]: n for n in (await cluster.gateway.get("/nodes")).json()}
     assert nodes["na"]["status"] == "down" and nodes["nb"]["status"] == "up"
     assert (await cluster.gateway.get("/nodes/nb")).json()["address"] == nodes["nb"]["address"]
+
+
+async def test_sandboxes_of_a_down_node_are_killed_for_good(cluster: Cluster) -> None:
+    """A lost sandbox and durable pauses on a dead node: killed (204), gone for the cluster at
+    once, never taken over (not even by a take-over under way), and refused when their node is
+    back and reports them (its membership kills them then)."""
+    cluster.nodes["nb"].repository = cluster.nodes["na"].repository
+    cluster.nodes["nb"].full = True
+    lost, paused, raced = [(await cluster.create())["sandboxID"] for _ in range(3)]
+    cluster.nodes["nb"].full = False
+    for sandbox_id in (paused, raced):
+        assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+        cluster.nodes["na"].repository[sandbox_id] = cluster.nodes["na"].sandboxes[sandbox_id]
+        await cluster.scheduler.bind(cluster.scheduler.bound[sandbox_id].model_copy(update={"durable": True}))
+    await cluster.kill("na")
+    for sandbox_id in (lost, paused):
+        assert (await cluster.gateway.delete(f"/sandboxes/{sandbox_id}")).status_code == 204
+        for answer in [await cluster.gateway.get(f"/sandboxes/{sandbox_id}"),
+                       await cluster.gateway.delete(f"/sandboxes/{sandbox_id}")]:  # fmt: skip
+            assert answer.status_code == 404 and "lost" not in answer.json()["message"], answer.text
+    resumed = await cluster.gateway.post(f"/sandboxes/{paused}/connect", json={"timeout": 60})
+    assert resumed.status_code == 404 and paused not in cluster.nodes["nb"].sandboxes
+    assert paused in cluster.nodes["na"].repository  # its node's kill releases it when it is back
+
+    take_over = cluster.nodes["nb"].take_over
+
+    async def killed_meanwhile(sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        await cluster.scheduler.tombstone(sandbox_id, "na")  # another gateway's kill
+        return await take_over(sandbox_id, timeout)
+
+    cluster.nodes["nb"].take_over = killed_meanwhile  # type: ignore[method-assign]
+    late = await cluster.gateway.post(f"/sandboxes/{raced}/connect", json={"timeout": 60})
+    assert late.status_code == 404, late.text
+    for sandbox_id, state in ((lost, "running"), (paused, "paused"), (raced, "running")):
+        with pytest.raises(SandboxKilled):
+            await cluster.scheduler.bind(Binding(sandbox_id=sandbox_id, node_id="na", state=state))
+    assert not {lost, paused, raced} & set(cluster.scheduler.bound)
 
 
 async def test_a_node_down_for_the_scheduler_but_answering_keeps_its_sandboxes(cluster: Cluster) -> None:

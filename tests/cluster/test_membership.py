@@ -1,6 +1,7 @@
 """A node's membership against a real scheduler and Redis, with a fake node (no VMs): joining,
 heartbeats, bindings that follow the node's sandboxes, rejoining after Redis lost everything,
-healing a missed event, and a scheduler that is unreachable for a while."""
+healing a missed event, a scheduler that is unreachable for a while, and sandboxes killed while
+the node was away."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class FakeNode:
     def __init__(self) -> None:
         self.sandboxes: dict[str, str] = {}
         self.taken_over: set[str] = set()  # paused here, taken over by another node meanwhile
+        self.killed: list[str] = []
 
     def report(self) -> NodeReport:
         running = sum(state == "running" for state in self.sandboxes.values())
@@ -47,6 +49,10 @@ class FakeNode:
     async def forget_moved(self) -> None:
         for sandbox_id in self.taken_over:
             self.sandboxes.pop(sandbox_id, None)
+
+    async def kill(self, sandbox_id: str) -> None:
+        del self.sandboxes[sandbox_id]
+        self.killed.append(sandbox_id)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
@@ -113,6 +119,30 @@ async def test_a_restarted_node_does_not_bind_what_was_taken_over_meanwhile(
         assert "s2" not in {b.sandbox_id for b in await scheduler.bindings()}
     finally:
         await membership.close()
+
+
+async def test_sandboxes_killed_while_the_node_was_away_are_killed_when_it_is_back(
+    scheduler: ClusterScheduler,
+) -> None:
+    """Killed through a gateway while the node was down (a restart), or cut off from the
+    scheduler (its bindings sent before): the node kills them, and never binds them again."""
+    fake = FakeNode()
+    fake.sandboxes = {"lost": "running", "paused": "paused", "kept": "paused", "cut": "running"}
+    first = Membership(scheduler, fake, "n1", "http://n1:8000", interval=INTERVAL)
+    await first.start()
+    await eventually(lambda: _equals(bound(scheduler), dict(fake.sandboxes)))
+    await first.close()
+    for sandbox_id in ("lost", "paused"):
+        await scheduler.tombstone(sandbox_id, "n1")
+    again = Membership(scheduler, fake, "n1", "http://n1:8000", interval=INTERVAL)
+    await again.start()
+    try:
+        await eventually(lambda: _true(sorted(fake.killed) == ["lost", "paused"]))
+        await scheduler.tombstone("cut", "n1")
+        await eventually(lambda: _true("cut" in fake.killed))
+        assert await bound(scheduler) == {"kept": "paused"} and fake.sandboxes == {"kept": "paused"}
+    finally:
+        await again.close()
 
 
 async def test_close_ends_the_loop_when_a_change_wakes_it_at_the_same_moment(

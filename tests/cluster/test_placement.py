@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
+from aenv.cluster.protocols import SandboxKilled
 from aenv.cluster.scheduler import ClusterScheduler
 from aenv.cluster.state import ClusterState
 from aenv.orchestrator.errors import Conflict, InvalidRequest, NotFound, Unavailable
@@ -207,3 +208,43 @@ async def test_state_survives_a_scheduler_restart_and_heartbeats_after_a_flush_s
             await scheduler.heartbeat("a", NodeUsage(), node("a").capacity, [])
     finally:
         await second.close()
+
+
+async def test_a_sandbox_killed_while_its_node_is_away_is_never_bound_again(
+    scheduler: ClusterScheduler, state: ClusterState
+) -> None:
+    for name in ("a", "b"):
+        await scheduler.register(node(name))
+    await scheduler.bind(Binding(sandbox_id="lost", node_id="a"))
+    await scheduler.bind(Binding(sandbox_id="paused", node_id="a", state="paused", durable=True))
+    with pytest.raises(Conflict, match="is on node a"):  # the kill goes where it is bound
+        await scheduler.tombstone("lost", "b")
+    assert (await scheduler.tombstone("lost", "a")).node_id == "a"
+    assert (await scheduler.tombstone("paused", "a")).durable
+    assert await scheduler.bindings() == [] and await scheduler.bindings("a") == []
+    with pytest.raises(NotFound):
+        await scheduler.locate("lost")
+    with pytest.raises(NotFound):  # no take-over of a killed durable pause
+        await scheduler.place(Placement(kind="resume", sandbox_id="paused", exclude=["a"]))
+    with pytest.raises(NotFound):  # killed twice: the second finds nothing
+        await scheduler.tombstone("lost", "a")
+    # Neither its node's report when it is back nor a take-over's late bind brings it back.
+    for binding in [Binding(sandbox_id="lost", node_id="a"), Binding(sandbox_id="paused", node_id="a",
+                    state="paused", durable=True), Binding(sandbox_id="paused", node_id="b")]:  # fmt: skip
+        with pytest.raises(SandboxKilled, match="was killed"):
+            await scheduler.bind(binding)
+    with pytest.raises(Conflict):  # nor does a create reuse its id
+        await scheduler.place(Placement(sandbox_id="lost"))
+    assert await scheduler.bindings() == []
+    ttl = await state.redis.pttl("aenv:tombstone:lost")  # kept a long time, not forever
+    assert 0 < ttl <= state.tombstone_ttl * 1000
+
+
+async def test_a_tombstone_takes_the_reservation_of_a_create_under_way(
+    scheduler: ClusterScheduler, state: ClusterState
+) -> None:
+    await scheduler.register(node("a", memory_mib=4 * GIB))
+    await scheduler.place(Placement(sandbox_id="s1", memory_mib=1024))
+    await scheduler.tombstone("s1", "a")
+    (room,) = await state.rooms()
+    assert (room.memory_mib, room.starting) == (4 * GIB, 0)

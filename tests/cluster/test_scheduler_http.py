@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestServer
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.cluster.client import SchedulerClient
 from aenv.cluster.model import Binding, NodeUsage, Placement
+from aenv.cluster.protocols import SandboxKilled
 from aenv.cluster.scheduler import ClusterScheduler, scheduler_app
 from aenv.cluster.state import ClusterState
 from aenv.orchestrator.errors import InvalidRequest, NotFound, Unavailable
@@ -63,6 +64,12 @@ async def test_round_trip(client: SchedulerClient) -> None:
     assert [b.sandbox_id for b in await client.bindings()] == ["s1"]
     await client.unbind("s1", "a")
     assert await client.bindings() == []
+    await client.bind(Binding(sandbox_id="s2", node_id="a", state="paused"))
+    assert (await client.tombstone("s2", "a")).state == "paused"
+    with pytest.raises(SandboxKilled, match="was killed"):  # a 409 told apart by its error_code
+        await client.bind(Binding(sandbox_id="s2", node_id="a", state="paused"))
+    with pytest.raises(NotFound):
+        await client.tombstone("s2", "a")
     assert (await client.drain("b")).status == "draining"
     assert (await client.node("b")).status == "draining"
 

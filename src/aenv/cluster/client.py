@@ -24,6 +24,7 @@ from ..api.server import STATUS
 from ..orchestrator.errors import OperationFailed, SandboxError, Unavailable
 from .auth import CLUSTER_SECRET_HEADER
 from .model import Binding, Heartbeat, Location, NodeCapacity, NodeInfo, NodeUsage, Placement
+from .protocols import KILLED, SandboxKilled
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -110,6 +111,10 @@ class SchedulerClient:
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         await self._request("DELETE", f"/bindings/{_id(sandbox_id)}", node_id=node_id)
 
+    async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:
+        content = await self._request("POST", f"/tombstones/{_id(sandbox_id)}", node_id=node_id)
+        return _decode(Binding.model_validate_json, content, self.url)
+
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
         location = await self._model(Location, "GET", f"/bindings/{_id(sandbox_id)}")
         return location.binding, location.node
@@ -121,12 +126,15 @@ class SchedulerClient:
 
 def _error(status: int, content: bytes, reason: str) -> SandboxError:
     try:
-        message = str(json.loads(content)["message"])
-    except (ValueError, KeyError, TypeError):
-        message = content.decode(errors="replace")[:200] or reason
+        body = json.loads(content)
+        message, code = str(body["message"]), body.get("error_code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, code = content.decode(errors="replace")[:200] or reason, None
     message = f"scheduler: {message}"
     if status == 401:  # the cluster's configuration is wrong, not the request
         return Unavailable(f"{message} (is AENV_CLUSTER_SECRET the scheduler's?)")
+    if status == 409 and code == KILLED:
+        return SandboxKilled(message)
     return KINDS.get(status, OperationFailed)(message)
 
 

@@ -15,7 +15,9 @@ nodes'. So any number of gateways can run, and losing one loses nothing.
 A sandbox whose node is down is reported, not guessed at: a running one as lost (404, as a node
 reports a lost VM). A paused one whose pause is durable (committed to the shared repository) is
 resumed by another node with room, which takes it over (`NodeService.take_over`); a node-local
-pause is unavailable until its node is back.
+pause is unavailable until its node is back. Either can be killed all the same: its binding
+gives way to a tombstone (`Scheduler.tombstone`), so it is gone for the cluster at once, can
+no longer be taken over, and its node kills it when it is back.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from ..orchestrator.errors import NotFound, SandboxError, Unavailable
+from ..orchestrator.errors import Conflict, NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
 from ..orchestrator.interface import (
     BuildTicket,
@@ -48,7 +50,7 @@ from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart, split_name
 from .model import Binding, NodeInfo, NodeState, Placement
-from .protocols import Scheduler
+from .protocols import SandboxKilled, Scheduler
 from .remote import RemoteNode
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,14 @@ class ClusterNode:
     # -- sandbox to node ----------------------------------------------------------------------
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
-        """The sandbox's binding and its node, which is reachable; else why it cannot be had.
+        """The sandbox's binding and its node, which is reachable; else why it cannot be had."""
+        binding, info, unreachable = await self._where(sandbox_id)
+        if unreachable is not None:
+            raise unreachable
+        return binding, info
+
+    async def _where(self, sandbox_id: str) -> tuple[Binding, NodeInfo, SandboxError | None]:
+        """The sandbox's binding, its node, and why that node cannot be had (None: it can).
 
         A node the scheduler has down (no heartbeat for a while) is asked all the same: it may
         only have been unable to reach the scheduler (one that restarted, say), and while it
@@ -128,20 +137,32 @@ class ClusterNode:
             binding, info = await self.scheduler.locate(sandbox_id)
         except NotFound:
             raise NotFound(f"sandbox {sandbox_id} not found") from None
-        if info.status == NodeState.DOWN and not await self.remote(info).answers():
-            if binding.state == "running":
-                raise NotFound(f"sandbox {sandbox_id} was lost: its node {info.node_id} is down")
-            raise Unavailable(
+        if info.status != NodeState.DOWN or await self.remote(info).answers():
+            return binding, info, None
+        if binding.state == "running":
+            why: SandboxError = NotFound(f"sandbox {sandbox_id} was lost: its node {info.node_id} is down")
+        else:
+            why = Unavailable(
                 f"sandbox {sandbox_id} is paused on node {info.node_id}, which is down: it can be "
                 "resumed when the node is back"
                 + ("" if binding.durable else " (its pause is not in a shared repository)")
             )
-        return binding, info
+        return binding, info, why
 
-    async def _on_holder(self, sandbox_id: str, call: Callable[[RemoteNode, Binding], Awaitable[T]]) -> T:
+    async def _on_holder(
+        self,
+        sandbox_id: str,
+        call: Callable[[RemoteNode, Binding], Awaitable[T]],
+        away: Callable[[Binding, NodeInfo], Awaitable[T]] | None = None,
+    ) -> T:
         """`call` on the sandbox's node; a node that no longer knows the sandbox (its timeout
-        ended it, say) has its binding dropped, so no binding outlives its sandbox."""
-        binding, info = await self.locate(sandbox_id)
+        ended it, say) has its binding dropped, so no binding outlives its sandbox. A node that
+        cannot be had is `away`'s to answer for, if given; else why it cannot be had."""
+        binding, info, unreachable = await self._where(sandbox_id)
+        if unreachable is not None:
+            if away is None:
+                raise unreachable
+            return await away(binding, info)
         try:
             return await call(self.remote(info), binding)
         except NotFound:
@@ -270,11 +291,25 @@ class ClusterNode:
         return results
 
     async def kill(self, sandbox_id: str) -> None:
-        async def kill(node: RemoteNode, binding: Binding) -> None:
-            await node.kill(sandbox_id)
-            await self._after(sandbox_id, self.scheduler.unbind(sandbox_id, node.node_id))
+        """On its node; while that node is down and does not answer, in the cluster's records
+        (`Scheduler.tombstone`), and the node kills it when it is back."""
 
-        await self._on_holder(sandbox_id, kill)
+        async def bury(binding: Binding, info: NodeInfo) -> None:
+            try:
+                await self.scheduler.tombstone(sandbox_id, info.node_id)
+            except NotFound:
+                raise NotFound(f"sandbox {sandbox_id} not found") from None
+            except Conflict:  # taken over meanwhile: killed where it went
+                await self._on_holder(sandbox_id, self._kill)
+                return
+            log.info("sandbox %s killed while its node %s is down: the node kills it when back",
+                     sandbox_id, info.node_id)  # fmt: skip
+
+        await self._on_holder(sandbox_id, self._kill, away=bury)
+
+    async def _kill(self, node: RemoteNode, binding: Binding) -> None:
+        await node.kill(binding.sandbox_id)
+        await self._after(binding.sandbox_id, self.scheduler.unbind(binding.sandbox_id, node.node_id))
 
     async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
         async def pause(node: RemoteNode, binding: Binding) -> None:
@@ -341,7 +376,10 @@ class ClusterNode:
         )  # fmt: skip
         info = await self.scheduler.place(placement)
         record = await self.remote(info).take_over(binding.sandbox_id, timeout)
-        await self._after(record.sandbox_id, self._bind(record, info.node_id))
+        try:
+            await self._after(record.sandbox_id, self._bind(record, info.node_id))
+        except SandboxKilled:  # killed while the take-over ran: its new node's report kills it
+            raise NotFound(f"sandbox {binding.sandbox_id} not found") from None
         return record
 
     async def _rebind(self, binding: Binding, record: SandboxRecord) -> None:

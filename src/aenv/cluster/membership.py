@@ -11,7 +11,13 @@ bindings of it, so an event missed while the scheduler was unreachable heals.
 
 A scheduler that answers NotFound has forgotten the node (it lost Redis, or dropped the node):
 the node registers again and rebinds everything. A scheduler that cannot be reached changes
-nothing on the node: it keeps serving its sandboxes and retries every heartbeat interval.
+nothing on the node: it keeps serving its sandboxes and retries every heartbeat interval, and
+compares everything again once the scheduler answers.
+
+A sandbox killed through a gateway while this node was down (or cut off) has a tombstone instead
+of a binding (`aenv.cluster.state`): its bind is refused (`SandboxKilled`), and the node kills
+it then, as a client's kill would (its VM, network, files and repository claims go), in the
+background so that the heartbeats go on. It is never bound again.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from ..orchestrator.service import Orchestrator
 from ..orchestrator.states import State, api_state
 from .client import SchedulerClient
 from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
-from .protocols import Scheduler
+from .protocols import SandboxKilled, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,10 @@ class NodeSource(Protocol):
 
     async def forget_moved(self) -> None:
         """Drop the paused sandboxes that other nodes took over meanwhile (may do I/O)."""
+        ...
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Kill a sandbox the cluster killed while the node was away (as a client's kill would)."""
         ...
 
 
@@ -118,6 +128,12 @@ class OrchestratorSource:
         except Exception:  # the repository is away: the scheduler refuses those binds anyway
             log.warning("could not check for paused sandboxes taken over elsewhere", exc_info=True)
 
+    async def kill(self, sandbox_id: str) -> None:
+        if (sandbox := self.orchestrator.sandboxes.get(sandbox_id)) is None:
+            return
+        with contextlib.suppress(NotFound):  # gone meanwhile
+            await self.orchestrator.kill(sandbox)
+
 
 class Membership:
     """The node's side of the cluster: one task that registers, heartbeats and binds."""
@@ -139,6 +155,8 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._failing = False
         self._closing = False
+        self._compare = False  # compare everything at the next heartbeat (the scheduler was away)
+        self._kills: dict[str, asyncio.Task[None]] = {}  # sandboxes killed while the node was away
 
     @classmethod
     def for_node(cls, settings: Settings, orchestrator: Orchestrator, node_id: str) -> Membership:
@@ -169,6 +187,9 @@ class Membership:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for kill in list(self._kills.values()):
+            kill.cancel()
+        await asyncio.gather(*self._kills.values(), return_exceptions=True)
         if self.status is not None:
             with contextlib.suppress(SandboxError, TimeoutError):
                 await asyncio.wait_for(self._push(), CLOSE_TIMEOUT)
@@ -202,6 +223,7 @@ class Membership:
     async def _retry_later(self) -> None:
         self._failing = True
         self._next_beat = 0.0  # heartbeat as soon as the scheduler answers again
+        self._compare = True  # and learn what changed meanwhile (sandboxes killed while away)
         await asyncio.sleep(self.interval)
 
     async def step(self) -> None:
@@ -225,7 +247,8 @@ class Membership:
 
     async def _heartbeat(self) -> None:
         self._beats += 1
-        if self._beats % RECONCILE_EVERY == 0:
+        if self._compare or self._beats % RECONCILE_EVERY == 0:
+            self._compare = False
             self._cached = await asyncio.to_thread(self.source.cached)
             await self._reconcile()
         report = self.source.report()
@@ -254,9 +277,27 @@ class Membership:
                 continue
             try:
                 await self.scheduler.bind(binding)
+            except SandboxKilled as exc:  # not sent: each push tries again until it is gone
+                self._kill(sandbox_id, exc.message)
+                continue
             except Conflict as exc:  # it runs on another node now: that node's word wins
                 log.warning("not binding sandbox %s here: %s", sandbox_id, exc.message)
             self._sent[sandbox_id] = binding
         for sandbox_id in [s for s in self._sent if s not in held]:
             await self.scheduler.unbind(sandbox_id, self.node_id)
             del self._sent[sandbox_id]
+
+    def _kill(self, sandbox_id: str, reason: str) -> None:
+        """Kill the sandbox in the background, unless its kill runs already."""
+        if sandbox_id in self._kills or self._closing:
+            return
+        log.info("killing sandbox %s: %s", sandbox_id, reason)
+        task = asyncio.create_task(self._killed(sandbox_id), name=f"cluster-kill-{sandbox_id}")
+        self._kills[sandbox_id] = task
+        task.add_done_callback(lambda _: self._kills.pop(sandbox_id, None))
+
+    async def _killed(self, sandbox_id: str) -> None:
+        try:
+            await self.source.kill(sandbox_id)  # gone: the orchestrator's change wakes the loop
+        except Exception:  # still held: the next push is refused and tries again
+            log.exception("killing sandbox %s, killed while this node was away, failed", sandbox_id)

@@ -4,14 +4,26 @@ client implements this same protocol, so gateways and nodes can be tested agains
 
 Failures are the typed errors of `aenv.orchestrator.errors`: NotFound for an unknown node or
 sandbox, Unavailable when no node has room or the scheduler cannot be reached, InvalidRequest
-for malformed input.
+for malformed input, SandboxKilled (a Conflict) for a bind of a sandbox killed while its node
+was away.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from ..orchestrator.errors import Conflict
 from .model import Binding, NodeCapacity, NodeInfo, NodeUsage, Placement
+
+KILLED = "sandbox_killed"  # the error code of `SandboxKilled`, which tells it apart from other 409s
+
+
+class SandboxKilled(Conflict):
+    """The sandbox was killed while its node could not be reached (its tombstone): it is not
+    bound again, and the node that holds it must kill it."""
+
+    def __init__(self, message: str, error_code: str | None = KILLED):
+        super().__init__(message, error_code)
 
 
 class Scheduler(Protocol):
@@ -43,13 +55,21 @@ class Scheduler(Protocol):
         ...
 
     async def bind(self, binding: Binding) -> None:
-        """Record (or update) which node holds a sandbox and in what state."""
+        """Record (or update) which node holds a sandbox and in what state. SandboxKilled if the
+        sandbox was killed while its node was away (`tombstone`): it is never bound again."""
         ...
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         """Forget a sandbox, only if it is still bound to `node_id` (a late call from a node the
         sandbox has left must not remove its new binding). A binding recorded by a create's
         placement takes its reserved room with it (the create failed)."""
+        ...
+
+    async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:
+        """Kill the sandbox in the cluster's records while `node_id`, its node, cannot be
+        reached: unbind it and keep a tombstone of it, in one step, so that no bind (the node's
+        report when it is back, a take-over's) brings it back: the node kills it instead. Returns
+        the binding it had; NotFound if it is not bound, Conflict if bound to another node now."""
         ...
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:

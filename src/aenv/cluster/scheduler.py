@@ -18,6 +18,10 @@ cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
     GET    /bindings/{sandbox_id}       Location {"binding", "node"}
     PUT    /bindings/{sandbox_id}       Binding -> 204
     DELETE /bindings/{sandbox_id}?node_id=N   204 (a no-op unless bound to N)
+    POST   /tombstones/{sandbox_id}?node_id=N Binding: killed while N is away (`Scheduler.tombstone`);
+                                        404 unless bound, 409 if bound to another node
+
+A bind of a sandbox with a tombstone is a 409 whose `error_code` is `sandbox_killed`.
 
 Ids in paths and queries are node or sandbox ids (`model.ID_PATTERN`), else 400.
 
@@ -117,6 +121,11 @@ class ClusterScheduler:
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         await self.state.unbind(sandbox_id, node_id)
+
+    async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:
+        binding = await self.state.tombstone(sandbox_id, node_id)
+        log.info("sandbox %s was killed while its node %s is away: tombstoned", sandbox_id, node_id)
+        return binding
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
         binding, node = await self.state.locate(sandbox_id)
@@ -218,6 +227,10 @@ async def unbind(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+async def tombstone(request: web.Request) -> web.Response:
+    return _json(await _scheduler(request).tombstone(_id(request, "sandbox_id"), _id(request, "node_id")))
+
+
 @web.middleware
 async def state_unreachable(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Redis down is the scheduler being unavailable (503, retry later), not its bug."""
@@ -253,12 +266,15 @@ def scheduler_app(scheduler: ClusterScheduler, secret: str | None) -> web.Applic
     app.router.add_get("/bindings/{sandbox_id}", locate)
     app.router.add_put("/bindings/{sandbox_id}", bind)
     app.router.add_delete("/bindings/{sandbox_id}", unbind)
+    app.router.add_post("/tombstones/{sandbox_id}", tombstone)
     return app
 
 
 async def serve(settings: Settings) -> None:
     """Serve the scheduler until SIGINT or SIGTERM."""
-    state = ClusterState.from_url(settings.redis_url, down_after=settings.node_down_after)
+    state = ClusterState.from_url(
+        settings.redis_url, down_after=settings.node_down_after, tombstone_ttl=settings.tombstone_ttl
+    )
     try:
         app = scheduler_app(ClusterScheduler(state), settings.cluster_secret)
         await listen_until_stopped(app, settings.scheduler_addr, "scheduler")

@@ -21,6 +21,8 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
     aenv:placing            HASH  {sandbox} -> "{node} {expiry} {member}": a create placed with
                                   its binding whose node has not bound the sandbox yet
     aenv:cached:{snapshot}  SET   the node ids that cache a template or snapshot (locality index)
+    aenv:tombstone:{sandbox} STRING the node the sandbox was bound to when it was killed while
+                                  that node could not be reached; expires after `tombstone_ttl`
 
 A placement chooses its node and reserves its room in one script (`place`); the sandbox's first
 running bind on that node turns the reservation into a pending entry, and the node's next
@@ -38,6 +40,17 @@ one (they start on their source's node), so their binds take the oldest reservat
 creates still under way: the room is counted once all the same, only under other names, until
 the next heartbeat counts everything. A node is down when its last
 heartbeat is older than `down_after`; that is computed on every read, never stored.
+
+A sandbox killed while its node is down cannot be killed on the node: the kill (`tombstone`)
+removes its binding and writes its tombstone in one script, and every later bind of it is
+refused (`SandboxKilled`), whichever node sends it. So the node, when it is back, learns from
+its own report that the sandbox was killed, and kills it (`aenv.cluster.membership`); a late
+report of a take-over that raced the kill cannot bind it again either. A tombstone is kept for
+`tombstone_ttl` (a setting, 30 days by default), also after its node killed the sandbox,
+rather than until the node acknowledges it: a node that never comes back would keep its
+tombstones forever, and an acknowledgement would let another node's late report through. A node
+away for longer than that would bind again what was killed meanwhile, so the setting is to be
+longer than any outage a node comes back from with its disk.
 """
 
 from __future__ import annotations
@@ -51,8 +64,10 @@ from pydantic import TypeAdapter
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from ..config import Settings
 from ..orchestrator.errors import Conflict, NotFound
 from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
+from .protocols import SandboxKilled
 
 PREFIX = "aenv:"
 # A create takes seconds (longer under TCG on a loaded host); a reservation outlives it by far,
@@ -105,12 +120,16 @@ return 1
 
 # KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node),
 # placing hash. ARGV: prefix, sandbox id, binding, node id, state.
-# A sandbox's first running bind on a node spends its own placement's reservation, else the
-# oldest one (a fork's child, or a create placed without a name).
+# A killed sandbox (its tombstone) is never bound again. A sandbox's first running bind on a
+# node spends its own placement's reservation, else the oldest one (a fork's child, or a
+# create placed without a name).
 _BIND = (
     _NOW
     + """
 if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('AENV_NO_NODE ' .. ARGV[4]) end
+if redis.call('EXISTS', ARGV[1] .. 'tombstone:' .. ARGV[2]) == 1 then
+  return redis.error_reply('AENV_KILLED ' .. ARGV[2])
+end
 local started = ARGV[5] == 'running'
 local placed = redis.call('HGET', KEYS[6], ARGV[2])
 if placed and started then redis.call('HDEL', KEYS[6], ARGV[2]) end
@@ -145,23 +164,49 @@ return 1
 """
 )
 
+# Forget the binding `old` (JSON) of a sandbox. A binding still placing is a create that failed
+# (or whose sandbox is gone already): its reservation goes with it.
+_FORGET = """
+local function forget(prefix, bindings, placing, sandbox, old)
+  local node = cjson.decode(old).node_id
+  local placed = redis.call('HGET', placing, sandbox)
+  if placed then
+    local at, _, member = string.match(placed, '^(%S+) (%S+) (%S+)$')
+    redis.call('HDEL', placing, sandbox)
+    redis.call('ZREM', prefix .. 'reserved:' .. at, member)
+  end
+  redis.call('HDEL', bindings, sandbox)
+  redis.call('SREM', prefix .. 'bound:' .. node, sandbox)
+  redis.call('HDEL', prefix .. 'pending:' .. node, sandbox)
+end
+"""
+
 # KEYS: bindings hash, placing hash. ARGV: prefix, sandbox id, node id.
-# A binding still placing is a create that failed (or whose sandbox is gone already): its
-# reservation goes with it.
-_UNBIND = """
+_UNBIND = (
+    _FORGET
+    + """
 local old = redis.call('HGET', KEYS[1], ARGV[2])
 if not old or cjson.decode(old).node_id ~= ARGV[3] then return 0 end
-local placed = redis.call('HGET', KEYS[2], ARGV[2])
-if placed then
-  local node, _, member = string.match(placed, '^(%S+) (%S+) (%S+)$')
-  redis.call('HDEL', KEYS[2], ARGV[2])
-  redis.call('ZREM', ARGV[1] .. 'reserved:' .. node, member)
-end
-redis.call('HDEL', KEYS[1], ARGV[2])
-redis.call('SREM', ARGV[1] .. 'bound:' .. ARGV[3], ARGV[2])
-redis.call('HDEL', ARGV[1] .. 'pending:' .. ARGV[3], ARGV[2])
+forget(ARGV[1], KEYS[1], KEYS[2], ARGV[2], old)
 return 1
 """
+)
+
+# KEYS: bindings hash, placing hash. ARGV: prefix, sandbox id, node id, tombstone ttl (ms).
+# The kill of a sandbox whose node cannot be reached: unbound, and tombstoned, only if it is
+# still bound to that node (else it moved, and is killed where it went). Returns its binding.
+_TOMBSTONE = (
+    _FORGET
+    + """
+local old = redis.call('HGET', KEYS[1], ARGV[2])
+if not old then return redis.error_reply('AENV_UNBOUND ' .. ARGV[2]) end
+local node = cjson.decode(old).node_id
+if node ~= ARGV[3] then return redis.error_reply('AENV_MOVED ' .. ARGV[2] .. ' ' .. node) end
+forget(ARGV[1], KEYS[1], KEYS[2], ARGV[2], old)
+redis.call('SET', ARGV[1] .. 'tombstone:' .. ARGV[2], node, 'PX', ARGV[4])
+return old
+"""
+)
 
 # A node as the reads below return it: id, hash fields (flat), live reservations, pending room.
 _NODE_ENTRY = """
@@ -256,7 +301,10 @@ if not best then return {} end
 local member = ARGV[10] .. ':' .. ARGV[2] .. ':' .. ARGV[3]
 local expiry = now + tonumber(ARGV[4])
 if ARGV[9] ~= '' then
-  if redis.call('HEXISTS', KEYS[2], ARGV[8]) == 1 then return redis.error_reply('AENV_TAKEN ' .. ARGV[8]) end
+  local killed = redis.call('EXISTS', prefix .. 'tombstone:' .. ARGV[8]) == 1
+  if killed or redis.call('HEXISTS', KEYS[2], ARGV[8]) == 1 then
+    return redis.error_reply('AENV_TAKEN ' .. ARGV[8])
+  end
   local binding = {sandbox_id = ARGV[8], node_id = best, state = 'running', template_id = ARGV[11],
     durable = false}
   redis.call('HSET', KEYS[2], ARGV[8], cjson.encode(binding))
@@ -292,10 +340,18 @@ def _spent(entries: list[str]) -> tuple[int, int]:
 class ClusterState:
     """The cluster's records in one Redis database (see the module's key layout)."""
 
-    def __init__(self, redis: Redis, *, down_after: float, reservation_ttl: float = RESERVATION_TTL):
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        down_after: float,
+        reservation_ttl: float = RESERVATION_TTL,
+        tombstone_ttl: float = Settings.tombstone_ttl,
+    ):
         self.redis = redis
         self.down_after = down_after
         self.reservation_ttl = reservation_ttl
+        self.tombstone_ttl = tombstone_ttl
         self._scripts = {
             name: redis.register_script(source)
             for name, source in {
@@ -305,14 +361,15 @@ class ClusterState:
                 "place": _PLACE,
                 "bind": _BIND,
                 "unbind": _UNBIND,
+                "tombstone": _TOMBSTONE,
                 "rooms": _ROOMS,
                 "locate": _LOCATE,
             }.items()
         }
 
     @classmethod
-    def from_url(cls, url: str, *, down_after: float) -> ClusterState:
-        return cls(Redis.from_url(url, decode_responses=True), down_after=down_after)
+    def from_url(cls, url: str, *, down_after: float, **options: float) -> ClusterState:
+        return cls(Redis.from_url(url, decode_responses=True), down_after=down_after, **options)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -331,6 +388,8 @@ class ClusterState:
                 raise Conflict(f"sandbox {ids[0]} is bound already") from None
             if reason == "AENV_UNBOUND":
                 raise NotFound(f"sandbox {ids[0]} is not bound to any node") from None
+            if reason == "AENV_KILLED":
+                raise SandboxKilled(f"sandbox {ids[0]} was killed: it is not bound again") from None
             raise
 
     # -- nodes -----------------------------------------------------------------------------
@@ -461,6 +520,14 @@ class ClusterState:
         never ended); whether it was."""
         keys = [f"{PREFIX}bindings", f"{PREFIX}placing"]
         return bool(await self._run("unbind", keys, [PREFIX, sandbox_id, node_id]))
+
+    async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:
+        """Kill the sandbox in the records while `node_id`, its node, cannot be reached: unbind
+        it and leave its tombstone, atomically (see the module's docstring); the binding it had.
+        NotFound if it is not bound, Conflict if it is bound to another node now."""
+        keys = [f"{PREFIX}bindings", f"{PREFIX}placing"]
+        args = [PREFIX, sandbox_id, node_id, max(1, int(self.tombstone_ttl * 1000))]
+        return Binding.model_validate_json(await self._run("tombstone", keys, args))
 
     async def binding(self, sandbox_id: str) -> Binding:
         raw = await self.redis.hget(f"{PREFIX}bindings", sandbox_id)
