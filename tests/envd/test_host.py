@@ -529,3 +529,26 @@ def test_the_nodes_init_is_answered_before_aiohttp_and_the_rest_by_aiohttp(tmp_p
         refused = fresh.getresponse()
         assert refused.status == 400 and "NUL" in json.loads(refused.read())["message"]
         assert httpx.get(envd.url + "/envs", headers={"X-Access-Token": "t0k"}).json() == {"A": "1", "B": "2"}
+
+
+def test_the_nodes_metrics_history_is_answered_before_aiohttp(tmp_path):
+    """The node fetches samples before each pause: from the host peer, with the token, the short
+    path answers it as aiohttp would; no token, a bad bound or an unknown parameter go to aiohttp."""
+    with run_envd(tmp_path, host_peer="127.0.0.1") as envd:
+        assert httpx.post(envd.url + "/init", json={"accessToken": "t0k"}).status_code == 204
+        token = {"X-Access-Token": "t0k"}
+        url = envd.url + "/metrics/history"
+        short = httpx.get(url, params={"start": 0}, headers=token)
+        assert short.status_code == 200 and "Server" not in short.headers, short.headers
+        full = httpx.get(url, params={"start": 0, "other": 1}, headers=token)
+        assert full.status_code == 200 and "Server" in full.headers
+        assert short.json()["interval"] == full.json()["interval"] > 0
+        assert short.json()["samples"] == full.json()["samples"][: len(short.json()["samples"])]
+        newest = short.json()["samples"][-1]["ts"]
+        assert httpx.get(url, params={"start": newest + 1}, headers=token).json()["samples"] == []
+        assert [s["ts"] for s in httpx.get(url, params={"end": newest}, headers=token).json()["samples"]][
+            -1
+        ] == newest
+        _assert_json_error(httpx.get(url), 401)
+        _assert_json_error(httpx.get(url, headers={"X-Access-Token": "wrong"}), 401)
+        _assert_json_error(httpx.get(url, params={"start": "x"}, headers=token), 400)

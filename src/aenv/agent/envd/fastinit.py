@@ -11,27 +11,40 @@ with the same checks and effects as the HTTP route (`system_api.parse_init`). An
 connection from elsewhere, another request, a body `parse_init` refuses, chunked encoding — is
 handed to aiohttp as it arrived, with the bytes read so far, so every other behaviour (and every
 error answer) is aiohttp's.
+
+The node's other request on the path of a user's call, `GET /metrics/history` (the samples it
+keeps before a pause stops the guest), is answered here too when it carries the access token:
+under TCG aiohttp's share of it was about as long as the pause itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
+from urllib.parse import parse_qsl
 
-from .state import State
+from .metrics import MetricsHistory
+from .state import State, same_secret
 from .system_api import parse_init
 
 REQUEST_LINE = b"POST /init HTTP/1.1\r\n"
+HISTORY_LINE = b"GET /metrics/history"
 MAX_HEAD = 16 * 1024  # a larger head is not the node's: aiohttp judges it
 MAX_BODY = 1 << 20
 NO_CONTENT = b"HTTP/1.1 204 No Content\r\nAccess-Control-Allow-Origin: *\r\n"
+JSON_OK = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nAccess-Control-Allow-Origin: *\r\n"
+)
 
 
 class InitFastPath(asyncio.Protocol):
-    """One connection: the node's `/init` requests answered here until anything else arrives."""
+    """One connection: the node's `/init` and `/metrics/history` requests answered here until
+    anything else arrives."""
 
-    def __init__(self, state: State, fallback: Callable[[], asyncio.Protocol]):
+    def __init__(self, state: State, history: MetricsHistory, fallback: Callable[[], asyncio.Protocol]):
         self.state = state
+        self.history = history
         self.fallback = fallback
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
@@ -54,9 +67,11 @@ class InitFastPath(asyncio.Protocol):
         return False  # close the transport
 
     def _answer_one(self) -> bool:
-        """Answer the buffered `/init` if it is complete; False when more bytes are needed or
+        """Answer the buffered request if it is complete; False when more bytes are needed or
         the connection went to aiohttp."""
         buffer = self.buffer
+        if buffer.startswith(HISTORY_LINE[: len(buffer)]):
+            return self._answer_history()
         if not buffer.startswith(REQUEST_LINE[: len(buffer)]):
             self._hand_over()
             return False
@@ -79,13 +94,48 @@ class InitFastPath(asyncio.Protocol):
             return False
         parsed.apply(self.state)
         self.buffer = buffer[start + int(length) :]
+        return self._reply(NO_CONTENT, b"", headers)
+
+    def _answer_history(self) -> bool:
+        """`GET /metrics/history[?start=&end=]` with the access token and no body; anything
+        else of that kind (a bad query, no token) is aiohttp's to refuse."""
+        buffer = self.buffer
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > MAX_HEAD:
+                self._hand_over()
+            return False
+        line, _, head = buffer[:end].partition(b"\r\n")
+        target, _, version = line[len(b"GET ") :].partition(b" ")
+        path, _, query = target.partition(b"?")
+        headers = _headers(head)
+        bounds = _bounds(query)
+        token = self.state.access_token
+        sent = headers.get(b"x-access-token", b"").decode("utf-8", "surrogateescape")
+        if (
+            path != HISTORY_LINE[len(b"GET ") :]
+            or version != b"HTTP/1.1"
+            or bounds is None
+            or headers.get(b"content-length", b"0") != b"0"
+            or b"transfer-encoding" in headers
+            or (token and not same_secret(sent, token))
+        ):
+            self._hand_over()
+            return False
+        self.buffer = buffer[end + 4 :]
+        answer = {"interval": self.history.interval, "samples": self.history.between(*bounds)}
+        return self._reply(JSON_OK, json.dumps(answer).encode(), headers)
+
+    def _reply(self, status: bytes, body: bytes, headers: dict[bytes, bytes]) -> bool:
+        """Write an answer; False when the request asked to close the connection."""
         assert self.transport is not None
+        length = b"Content-Length: %d\r\n" % len(body) if body else b""
         if headers.get(b"connection", b"").lower() == b"close":
-            self.transport.write(NO_CONTENT + b"Connection: close\r\n\r\n")
+            self.transport.write(status + length + b"Connection: close\r\n\r\n" + body)
             self.transport.close()
             self.transport = None
             return False
-        self.transport.write(NO_CONTENT + b"\r\n")
+        self.transport.write(status + length + b"\r\n" + body)
         return True
 
     def _hand_over(self) -> None:
@@ -108,3 +158,18 @@ def _headers(head: bytes) -> dict[bytes, bytes]:
         name, sep, value = line.partition(b":")
         headers[name.strip().lower() if sep else b"transfer-encoding"] = value.strip()
     return headers
+
+
+def _bounds(query: bytes) -> tuple[int | None, int | None] | None:
+    """`start` and `end` of a history query (Unix seconds, each optional); None if the query
+    holds anything else, a name twice, or a value that is not a plain integer (aiohttp answers it)."""
+    found: dict[str, int | None] = {}
+    for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if (
+            name not in ("start", "end")
+            or name in found
+            or not (value == "" or (value.isascii() and value.isdigit()))
+        ):
+            return None
+        found[name] = int(value) if value else None
+    return found.get("start"), found.get("end")

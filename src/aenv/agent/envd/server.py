@@ -30,10 +30,9 @@ MAX_REQUEST_LINE = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(state: State) -> web.Application:
+def build_app(state: State, history: MetricsHistory) -> web.Application:
     processes = ProcessService(state)
     filesystem = FilesystemService(state)
-    history = MetricsHistory()
 
     @web.middleware
     async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -106,13 +105,14 @@ def runner_options() -> dict[str, object]:
 
 async def serve(state: State, host: str, port: int) -> None:
     """Run until cancelled. Connections meet `InitFastPath` first, which hands them to aiohttp
-    unless they are the node's `/init`."""
-    runner = web.AppRunner(build_app(state), access_log=None, **runner_options())  # type: ignore[arg-type]
+    unless they are the node's `/init` or `/metrics/history`."""
+    history = MetricsHistory()
+    runner = web.AppRunner(build_app(state, history), access_log=None, **runner_options())  # type: ignore[arg-type]
     await runner.setup()
     server = runner.server
     assert server is not None
     listener = await asyncio.get_running_loop().create_server(
-        lambda: InitFastPath(state, server), host, port, reuse_address=True
+        lambda: InitFastPath(state, history, server), host, port, reuse_address=True
     )
     log.info("envd listening on %s:%d (user %s)", host, port, state.default_user)
     try:
