@@ -14,7 +14,8 @@ error answer) is aiohttp's.
 
 The node's other request on the path of a user's call, `GET /metrics/history` (the samples it
 keeps before a pause stops the guest), is answered here too when it carries the access token:
-under TCG aiohttp's share of it was about as long as the pause itself.
+a pause waits for it, and under TCG answering it here rather than through aiohttp took it from
+5-11 ms to 4-5 ms (the guest's stop and device-state save take about 4 ms).
 """
 
 from __future__ import annotations
