@@ -7,8 +7,8 @@ capabilities, seccomp mode and cgroup limits on a real node.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -181,38 +181,50 @@ def test_limits_add_the_vmm_overhead_to_guest_ram() -> None:
     assert limits == Limits(vcpus=2, memory_mib=612, pids=99)
 
 
+def _reaped() -> int:
+    """The pid of a process that has exited and been reaped (no `/proc` entry)."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
 def test_groups_of_ended_vms_are_removed(tmp_path: Path) -> None:
     tree = fake_v1(tmp_path)
     confinement = Confinement(cgroups=tree)
-    for group in tree.group(confine.group_name(5)).values():
+    first, second = _reaped(), _reaped()
+    for group in tree.group(confine.group_name(first)).values():
         group.mkdir(parents=True)
-    confinement.release(5, None)
-    assert not any(path.exists() for path in tree.group("vm-5").values())
-    for group in tree.group("vm-6").values():
+    confinement.release(first, None)
+    assert not any(path.exists() for path in tree.group(f"vm-{first}").values())
+    for group in tree.group(f"vm-{second}").values():
         group.mkdir(parents=True)
     assert tree.remove_unused() == 3
 
 
-def test_a_group_removed_before_its_vm_joined_is_made_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Another VM's end removes every empty group on the host, a new one included: the VM
-    about to join it makes it again."""
+def test_the_empty_group_of_a_live_process_stays(tmp_path: Path) -> None:
+    """A group is empty from its making until its QEMU joins it; another VM's end (on this node
+    or another on the host) must not remove it in that instant."""
     tree = fake_v1(tmp_path)
-    join = CgroupTree.join
-    removed: list[str] = []
+    live = confine.group_name(os.getpid())
+    for group in tree.group(live).values():
+        group.mkdir(parents=True)
+    assert tree.remove_unused() == 0
+    assert all(path.exists() for path in tree.group(live).values())
 
-    def join_after_a_removal(self: CgroupTree, name: str, pid: int) -> None:
-        if not removed:
-            removed.append(name)
-            for path in self.group(name).values():
-                shutil.rmtree(path)
-        join(self, name, pid)
 
-    monkeypatch.setattr(CgroupTree, "join", join_after_a_removal)
-    Confinement(cgroups=tree).enter(9, vcpus=1, memory_mib=512)
-    assert removed == ["vm-9"]
-    assert all((path / "cgroup.procs").read_text() == "9" for path in tree.group("vm-9").values())
+def test_the_group_of_an_unreaped_process_goes(tmp_path: Path) -> None:
+    """A QEMU whose node was killed may stay a zombie of its new parent: it has ended."""
+    tree = fake_v1(tmp_path)
+    zombie = subprocess.Popen(["true"])
+    try:
+        stat = Path(f"/proc/{zombie.pid}/stat")
+        while stat.read_text().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
+        for group in tree.group(confine.group_name(zombie.pid)).values():
+            group.mkdir(parents=True)
+        assert tree.remove_unused() == 3
+    finally:
+        zombie.wait()
 
 
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")

@@ -45,9 +45,6 @@ KVM_DEVICE = Path("/dev/kvm")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
 GROUP_PREFIX = "vm-"
-# A new group is empty until its QEMU joins; another VM's end (this node's or another node's on
-# the host) may remove it in that instant. Each retry makes it again.
-JOIN_ATTEMPTS = 5
 PROBE = "probe"
 V1_CONTROLLERS = ("cpu", "memory", "pids")
 # The cgroup v2 leaf the node moves itself into when its own group holds processes: v2 lets
@@ -196,10 +193,18 @@ class CgroupTree:
                 path.rmdir()
 
     def remove_unused(self) -> int:
-        """Delete the empty VM groups earlier node processes left; returns how many."""
+        """Delete the empty VM groups earlier node processes left; returns how many.
+
+        A group whose process is alive stays even when empty: it was just made for a QEMU that
+        has not joined it yet (this node's, or another node's on the host, which share the
+        parent), and removing it would fail that VM's start.
+        """
         removed = 0
         for base in self.bases.values():
             for path in (base / "aenv").glob(f"{GROUP_PREFIX}*"):
+                pid = path.name.removeprefix(GROUP_PREFIX)
+                if pid.isdigit() and _running(int(pid)):
+                    continue
                 with contextlib.suppress(OSError):
                     path.rmdir()
                     removed += 1
@@ -295,14 +300,8 @@ class Confinement:
         if self.cgroups is None:
             return
         name = group_name(pid)
-        for attempt in range(JOIN_ATTEMPTS):
-            self.cgroups.create(name, self.limits(vcpus, memory_mib))
-            try:
-                self.cgroups.join(name, pid)
-                return
-            except FileNotFoundError:  # removed while still empty (see `release`): make it again
-                if attempt == JOIN_ATTEMPTS - 1:
-                    raise
+        self.cgroups.create(name, self.limits(vcpus, memory_mib))
+        self.cgroups.join(name, pid)
 
     def give_back(self, user: RuntimeUser | None) -> None:
         """`user`'s QEMU exited (or never started): its uid is free for another VMM."""
@@ -317,6 +316,16 @@ class Confinement:
         if self.cgroups is not None:
             self.cgroups.remove(group_name(pid))
             self.cgroups.remove_unused()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (an unreaped zombie has: a QEMU whose node
+    was killed is reparented, and its reaper may be slow or absent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def group_name(pid: int) -> str:
