@@ -86,9 +86,14 @@ class FakeScheduler:
             await self.bind(Binding(sandbox_id=request.sandbox_id, node_id=chosen.node_id))
         return chosen
 
-    async def bind(self, binding: Binding) -> None:
+    async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         if binding.sandbox_id in self.tombstones:
             raise SandboxKilled(f"sandbox {binding.sandbox_id} was killed: it is not bound again")
+        if observed:
+            was = self.bound.get(binding.sandbox_id)
+            if was is not None and (was.node_id, was.state) == (binding.node_id, binding.state):
+                return
+            binding = binding.model_copy(update={"durable": False})
         self.bound[binding.sandbox_id] = binding
 
     async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:

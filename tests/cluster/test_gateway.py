@@ -121,6 +121,25 @@ async def test_a_durable_pause_on_a_down_node_resumes_on_another(cluster: Cluste
     assert (await cluster.gateway.get(f"/sandboxes/{sandbox_id}")).json()["clientID"] == "nb"
 
 
+async def test_a_pause_after_a_durable_one_is_not_durable_until_its_node_says_so(cluster: Cluster) -> None:
+    """The gateway's binds after a resume and a pause carry only the state: copied from the
+    binding it located, they said the second pause was durable before its upload, and a node
+    lost then was taken over from a pause the repository did not have (CI of stop 20)."""
+    cluster.nodes["nb"].repository = cluster.nodes["na"].repository
+    cluster.nodes["nb"].full = True
+    sandbox_id = (await cluster.create())["sandboxID"]
+    cluster.nodes["nb"].full = False
+    assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+    await cluster.scheduler.bind(cluster.scheduler.bound[sandbox_id].model_copy(update={"durable": True}))
+    resumed = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    assert resumed.status_code == 201 and not cluster.scheduler.bound[sandbox_id].durable
+    assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+    assert not cluster.scheduler.bound[sandbox_id].durable  # its upload has not committed
+    await cluster.kill("na")
+    waiting = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    assert waiting.status_code == 503 and "not in a shared repository" in waiting.json()["message"]
+
+
 async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None:
     ids = {(await cluster.create(metadata={"job": "a"}))["sandboxID"] for _ in range(5)}
     await cluster.create(metadata={"job": "b"})
@@ -269,7 +288,7 @@ async def test_what_a_node_did_is_answered_done_when_the_scheduler_cannot_record
     sandbox_id = (await cluster.create())["sandboxID"]
     node = cluster.nodes[cluster.scheduler.bound[sandbox_id].node_id]
 
-    async def away(*args: object) -> None:
+    async def away(*args: object, **options: object) -> None:
         raise Unavailable("the scheduler is unreachable")
 
     monkeypatch.setattr(cluster.scheduler, "bind", away)

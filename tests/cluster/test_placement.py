@@ -144,6 +144,20 @@ async def test_a_bind_turns_the_reservation_into_pending_room_until_the_heartbea
     assert (room.memory_mib, room.starting) == (3 * GIB, 0)
 
 
+async def test_an_observed_bind_changes_only_the_state(scheduler: ClusterScheduler) -> None:
+    """A gateway's bind after an operation never overrides what the node reported of that state,
+    and never says a pause is durable: only the node knows when its upload committed."""
+    await scheduler.register(node("a"))
+    durable = Binding(sandbox_id="s1", node_id="a", state="paused", durable=True)
+    await scheduler.bind(durable)  # the node's report once its pause committed
+    await scheduler.bind(durable.model_copy(update={"durable": False}), observed=True)  # the pause's, late
+    assert (await scheduler.locate("s1"))[0] == durable
+    await scheduler.bind(Binding(sandbox_id="s1", node_id="a"))  # resumed: the node's report, first
+    await scheduler.bind(durable.model_copy(update={"state": "running"}), observed=True)  # stale copy
+    await scheduler.bind(durable, observed=True)  # paused again, its upload under way
+    assert (await scheduler.locate("s1"))[0] == Binding(sandbox_id="s1", node_id="a", state="paused")
+
+
 async def test_bindings_locate_and_guarded_unbind(scheduler: ClusterScheduler) -> None:
     await scheduler.register(node("a"))
     await scheduler.register(node("b"))

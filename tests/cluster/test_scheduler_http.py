@@ -60,6 +60,8 @@ async def test_round_trip(client: SchedulerClient) -> None:
     binding, where = await client.locate("s1")
     assert (binding.template_id, where.address) == ("base", "http://a:8000")
     assert [b.sandbox_id for b in await client.bindings("a")] == ["s1"]
+    await client.bind(Binding(sandbox_id="s1", node_id="a", state="paused", durable=True), observed=True)
+    assert (await client.locate("s1"))[0].durable is False  # a gateway's word is never "durable"
     await client.unbind("s1", "b")  # not b's: stays
     assert [b.sandbox_id for b in await client.bindings()] == ["s1"]
     await client.unbind("s1", "a")

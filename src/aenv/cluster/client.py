@@ -105,8 +105,9 @@ class SchedulerClient:
     async def place(self, request: Placement) -> NodeInfo:
         return await self._model(NodeInfo, "POST", "/placements", request)
 
-    async def bind(self, binding: Binding) -> None:
-        await self._request("PUT", f"/bindings/{_id(binding.sandbox_id)}", binding)
+    async def bind(self, binding: Binding, *, observed: bool = False) -> None:
+        params = {"observed": "true"} if observed else {}
+        await self._request("PUT", f"/bindings/{_id(binding.sandbox_id)}", binding, **params)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         await self._request("DELETE", f"/bindings/{_id(sandbox_id)}", node_id=node_id)

@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import fields, replace
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 
@@ -177,13 +177,18 @@ class ClusterNode:
             return True
         return False
 
-    async def _bind(self, record: SandboxRecord, node_id: str, *, durable: bool = False) -> None:
+    async def _bind(self, record: SandboxRecord, node_id: str) -> None:
+        """What an operation on the node made of the sandbox (an observed bind, `Scheduler.bind`)."""
         state = "paused" if record.state == "paused" else "running"
         binding = Binding(
-            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id,
-            durable=durable,
-        )  # fmt: skip
-        await self.scheduler.bind(binding)
+            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id
+        )
+        await self.scheduler.bind(binding, observed=True)
+
+    async def _observe(self, binding: Binding, state: Literal["running", "paused"]) -> None:
+        """An operation on the node just put the sandbox in `state` (an observed bind: the
+        located binding's `durable` may be out of date, the node's own report is not)."""
+        await self.scheduler.bind(binding.model_copy(update={"state": state}), observed=True)
 
     # -- sandboxes ---------------------------------------------------------------------------
 
@@ -314,7 +319,7 @@ class ClusterNode:
     async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
         async def pause(node: RemoteNode, binding: Binding) -> None:
             await node.pause(sandbox_id, memory=memory)
-            await self._after(sandbox_id, self.scheduler.bind(binding.model_copy(update={"state": "paused"})))
+            await self._after(sandbox_id, self._observe(binding, "paused"))
 
         await self._on_holder(sandbox_id, pause)
 
@@ -384,9 +389,7 @@ class ClusterNode:
 
     async def _rebind(self, binding: Binding, record: SandboxRecord) -> None:
         if binding.state != "running":
-            await self._after(
-                record.sandbox_id, self.scheduler.bind(binding.model_copy(update={"state": "running"}))
-            )
+            await self._after(record.sandbox_id, self._observe(binding, "running"))
 
     async def _after(self, sandbox_id: str, change: Awaitable[object]) -> None:
         """A binding change that follows what a node did. The node's membership reports the same

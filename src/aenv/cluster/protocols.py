@@ -54,9 +54,15 @@ class Scheduler(Protocol):
         if the create fails, `unbind` frees the room too."""
         ...
 
-    async def bind(self, binding: Binding) -> None:
+    async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         """Record (or update) which node holds a sandbox and in what state. SandboxKilled if the
-        sandbox was killed while its node was away (`tombstone`): it is never bound again."""
+        sandbox was killed while its node was away (`tombstone`): it is never bound again.
+
+        `observed`: not the node's report but what a gateway saw an operation on the node do.
+        The node reports the same change itself, and may have reported a later one (its pause
+        made durable) before this arrives, so an observed bind changes only the state and
+        never says a pause is durable: it is a no-op while the sandbox is bound to that node in
+        that state, and otherwise binds it with `durable` false."""
         ...
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:

@@ -16,7 +16,7 @@ cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
                                         when a create's sandbox_id is bound already)
     GET    /bindings[?node_id=N]        [Binding]
     GET    /bindings/{sandbox_id}       Location {"binding", "node"}
-    PUT    /bindings/{sandbox_id}       Binding -> 204
+    PUT    /bindings/{sandbox_id}[?observed=true]  Binding -> 204 (`Scheduler.bind`)
     DELETE /bindings/{sandbox_id}?node_id=N   204 (a no-op unless bound to N)
     POST   /tombstones/{sandbox_id}?node_id=N Binding: killed while N is away (`Scheduler.tombstone`);
                                         404 unless bound, 409 if bound to another node
@@ -116,8 +116,8 @@ class ClusterScheduler:
             )
         raise Unavailable(_no_room(await self.state.rooms(), request))
 
-    async def bind(self, binding: Binding) -> None:
-        await self.state.bind(binding)
+    async def bind(self, binding: Binding, *, observed: bool = False) -> None:
+        await self.state.bind(binding, observed=observed)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         await self.state.unbind(sandbox_id, node_id)
@@ -218,7 +218,10 @@ async def bind(request: web.Request) -> web.Response:
     binding = await parse(request, Binding)
     if binding.sandbox_id != _id(request, "sandbox_id"):
         raise InvalidRequest("the binding's sandbox_id differs from the one in the path")
-    await _scheduler(request).bind(binding)
+    observed = request.query.get("observed", "false")
+    if observed not in ("true", "false"):
+        raise InvalidRequest("observed must be true or false")
+    await _scheduler(request).bind(binding, observed=observed == "true")
     return web.Response(status=204)
 
 

@@ -119,10 +119,11 @@ return 1
 """
 
 # KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node),
-# placing hash. ARGV: prefix, sandbox id, binding, node id, state.
-# A killed sandbox (its tombstone) is never bound again. A sandbox's first running bind on a
-# node spends its own placement's reservation, else the oldest one (a fork's child, or a
-# create placed without a name).
+# placing hash. ARGV: prefix, sandbox id, binding, node id, state, observed ('1' or '0').
+# A killed sandbox (its tombstone) is never bound again. An observed bind (a gateway's, see
+# `Scheduler.bind`) of the state the sandbox has on that node already changes nothing. A
+# sandbox's first running bind on a node spends its own placement's reservation, else the
+# oldest one (a fork's child, or a create placed without a name).
 _BIND = (
     _NOW
     + """
@@ -130,10 +131,14 @@ if redis.call('EXISTS', KEYS[2]) == 0 then return redis.error_reply('AENV_NO_NOD
 if redis.call('EXISTS', ARGV[1] .. 'tombstone:' .. ARGV[2]) == 1 then
   return redis.error_reply('AENV_KILLED ' .. ARGV[2])
 end
+local old = redis.call('HGET', KEYS[1], ARGV[2])
+if old and ARGV[6] == '1' then
+  local was = cjson.decode(old)
+  if was.node_id == ARGV[4] and was.state == ARGV[5] then return 0 end
+end
 local started = ARGV[5] == 'running'
 local placed = redis.call('HGET', KEYS[6], ARGV[2])
 if placed and started then redis.call('HDEL', KEYS[6], ARGV[2]) end
-local old = redis.call('HGET', KEYS[1], ARGV[2])
 if old then
   local was = cjson.decode(old)
   if was.node_id ~= ARGV[4] then
@@ -504,7 +509,7 @@ class ClusterState:
 
     # -- bindings --------------------------------------------------------------------------
 
-    async def bind(self, binding: Binding) -> None:
+    async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         """Record where the sandbox is; NotFound for an unregistered node, Conflict when a node
         reports as paused a sandbox bound to another node now. A sandbox moves between nodes only
         by starting on the new one (a take-over), so that node's report is late: the sandbox
@@ -512,7 +517,9 @@ class ClusterState:
         node = binding.node_id
         keys = [f"{PREFIX}bindings", f"{PREFIX}node:{node}", f"{PREFIX}bound:{node}",
                 f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}", f"{PREFIX}placing"]  # fmt: skip
-        args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state]
+        if observed:
+            binding = binding.model_copy(update={"durable": False})
+        args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state, int(observed)]
         await self._run("bind", keys, args)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> bool:
