@@ -165,6 +165,16 @@ async def test_bad_bodies_are_400_not_500(server: Server, path: str, body: bytes
     assert_json_error(response, 400)
 
 
+@pytest.mark.parametrize("method, action", [("POST", "takeover"), ("DELETE", "pause")])
+async def test_a_durable_pause_of_no_sandbox_id_is_404_before_the_node(
+    server: Server, method: str, action: str
+) -> None:
+    """A take-over or discard may name a sandbox of another node, so only its id is checked here."""
+    async with httpx.AsyncClient(base_url=server.url, headers={"X-API-Key": KEY}) as client:
+        response = await client.request(method, f"/sandboxes/Not-An-Id/{action}")
+    assert "not a sandbox ID" in assert_json_error(response, 404)
+
+
 async def test_405_says_which_methods(server: Server) -> None:
     async with httpx.AsyncClient(base_url=server.url, headers={"X-API-Key": KEY}) as client:
         response = await client.request("PATCH", "/v2/sandboxes")

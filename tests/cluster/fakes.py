@@ -11,7 +11,7 @@ from typing import Any
 
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 from aenv.cluster.protocols import SandboxKilled
-from aenv.orchestrator.errors import Conflict, NotFound, Unavailable
+from aenv.orchestrator.errors import NOT_SHARED, Conflict, NotFound, Unavailable
 from aenv.orchestrator.housekeeping import GcTotals
 from aenv.orchestrator.interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus
 from aenv.orchestrator.local import matches
@@ -143,6 +143,7 @@ class FakeNode:
         self.uploads: dict[str, list[bytes]] = {}
         # Durable pauses by sandbox id: the shared repository, when nodes are given the same dict.
         self.repository: dict[str, SandboxRecord] = {}
+        self.shared = True  # False: a node-local repository, without other nodes' pauses
 
     def _get(self, sandbox_id: str) -> SandboxRecord:
         if sandbox_id not in self.sandboxes:
@@ -186,6 +187,14 @@ class FakeNode:
         sandbox = dataclasses.replace(self.repository.pop(sandbox_id), state=State.RUNNING)
         self.sandboxes[sandbox_id] = sandbox
         return sandbox
+
+    async def discard_pause(self, sandbox_id: str) -> None:
+        if sandbox_id in self.sandboxes:
+            raise Conflict(f"sandbox {sandbox_id} is on this node: kill it instead")
+        if not self.shared:
+            raise Conflict(f"node {self.node_id}'s repository is not shared", NOT_SHARED)
+        if self.repository.pop(sandbox_id, None) is None:
+            raise NotFound(f"sandbox {sandbox_id} has no durable pause")
 
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True

@@ -3,6 +3,7 @@ a fake scheduler, and an echo server standing in for a node's data plane."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from aenv.api import schemas
 from aenv.api.server import NodeAPI
+from aenv.cluster import clusternode
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.cluster.gateway import gateway_app
 from aenv.cluster.model import Binding, NodeState
@@ -54,6 +56,22 @@ class Cluster:
         assert response.status_code == 201, response.text
         return response.json()
 
+    async def join(self, node: FakeNode) -> FakeNode:
+        """The node serves its API (taking the cluster secret) and registers."""
+        api = NodeAPI(node, domain="localhost:1", limits=schemas.limits(SETTINGS))  # type: ignore[arg-type]
+        self.servers[node.node_id] = server = await serve(api.app(NODE_KEY, SECRET))
+        self.nodes[node.node_id] = node
+        await self.scheduler.register(node_info(node.node_id, str(server.make_url("")).rstrip("/")))
+        return node
+
+    async def pause_durably(self, sandbox_id: str) -> None:
+        """Paused through the gateway, then committed to its node's repository, as the node reports."""
+        assert (await self.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+        binding = self.scheduler.bound[sandbox_id]
+        node = self.nodes[binding.node_id]
+        node.repository[sandbox_id] = node.sandboxes[sandbox_id]
+        await self.scheduler.bind(binding.model_copy(update={"durable": True}))
+
 
 async def serve(app: web.Application) -> TestServer:
     server = TestServer(app, host="127.0.0.1")
@@ -64,15 +82,11 @@ async def serve(app: web.Application) -> TestServer:
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     scheduler = FakeScheduler()
-    nodes = {name: FakeNode(name, [BASE]) for name in ("na", "nb")}
-    servers = {}
-    for name, node in nodes.items():
-        api = NodeAPI(node, domain="localhost:1", limits=schemas.limits(SETTINGS))  # type: ignore[arg-type]
-        servers[name] = server = await serve(api.app(NODE_KEY, SECRET))
-        await scheduler.register(node_info(name, str(server.make_url("")).rstrip("/")))
     gateway = await serve(gateway_app(scheduler, SETTINGS, KEY))
     async with httpx.AsyncClient(base_url=str(gateway.make_url("")), headers={"X-API-Key": KEY}) as client:
-        cluster = Cluster(scheduler, nodes, client, servers)
+        cluster = Cluster(scheduler, {}, client, {})
+        for name in ("na", "nb"):
+            await cluster.join(FakeNode(name, [BASE]))
         yield cluster
     for server in [gateway, *cluster.servers.values()]:
         await server.close()
@@ -222,15 +236,14 @@ async def test_a_down_node_loses_its_running_sandboxes_and_nothing_else(cluster:
 async def test_sandboxes_of_a_down_node_are_killed_for_good(cluster: Cluster) -> None:
     """A lost sandbox and durable pauses on a dead node: killed (204), gone for the cluster at
     once, never taken over (not even by a take-over under way), and refused when their node is
-    back and reports them (its membership kills them then)."""
+    back and reports them (its membership kills them then). A killed pause is deleted from the
+    shared repository by a live node at once: its node may never be back to do it."""
     cluster.nodes["nb"].repository = cluster.nodes["na"].repository
     cluster.nodes["nb"].full = True
     lost, paused, raced = [(await cluster.create())["sandboxID"] for _ in range(3)]
     cluster.nodes["nb"].full = False
     for sandbox_id in (paused, raced):
-        assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
-        cluster.nodes["na"].repository[sandbox_id] = cluster.nodes["na"].sandboxes[sandbox_id]
-        await cluster.scheduler.bind(cluster.scheduler.bound[sandbox_id].model_copy(update={"durable": True}))
+        await cluster.pause_durably(sandbox_id)
     await cluster.kill("na")
     for sandbox_id in (lost, paused):
         assert (await cluster.gateway.delete(f"/sandboxes/{sandbox_id}")).status_code == 204
@@ -239,7 +252,8 @@ async def test_sandboxes_of_a_down_node_are_killed_for_good(cluster: Cluster) ->
             assert answer.status_code == 404 and "lost" not in answer.json()["message"], answer.text
     resumed = await cluster.gateway.post(f"/sandboxes/{paused}/connect", json={"timeout": 60})
     assert resumed.status_code == 404 and paused not in cluster.nodes["nb"].sandboxes
-    assert paused in cluster.nodes["na"].repository  # its node's kill releases it when it is back
+    assert paused not in cluster.nodes["na"].repository and raced in cluster.nodes["na"].repository
+    assert (await cluster.gateway.delete(f"/sandboxes/{paused}/pause")).status_code == 404  # gone already
 
     take_over = cluster.nodes["nb"].take_over
 
@@ -254,6 +268,63 @@ async def test_sandboxes_of_a_down_node_are_killed_for_good(cluster: Cluster) ->
         with pytest.raises(SandboxKilled):
             await cluster.scheduler.bind(Binding(sandbox_id=sandbox_id, node_id="na", state=state))
     assert not {lost, paused, raced} & set(cluster.scheduler.bound)
+
+
+async def test_a_killed_pause_is_discarded_by_a_node_that_can(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Passed over: a node without a shared repository, and one that is unavailable. With no node
+    left that can, the kill still answers 204 (its tombstone is the truth) and the pause stays,
+    for its node's own kill when it is back, or a later `DELETE /sandboxes/{id}/pause`."""
+    shared = cluster.nodes["na"].repository
+    nc = await cluster.join(FakeNode("nc", [BASE]))
+    nc.repository, cluster.nodes["nb"].shared = shared, False
+    cluster.nodes["nb"].full = nc.full = True
+    first, second = [(await cluster.create())["sandboxID"] for _ in range(2)]
+    for sandbox_id in (first, second):
+        await cluster.pause_durably(sandbox_id)
+    bound = await cluster.gateway.delete(f"/sandboxes/{first}/pause")
+    assert bound.status_code == 409 and "kill it" in bound.json()["message"]
+    await cluster.kill("na")
+    assert (await cluster.gateway.delete(f"/sandboxes/{first}")).status_code == 204
+    assert first not in shared  # nc discarded it, whichever of nb and nc was asked first
+
+    async def shutting_down(sandbox_id: str) -> None:
+        raise Unavailable("node nc is shutting down")
+
+    monkeypatch.setattr(nc, "discard_pause", shutting_down)
+    assert (await cluster.gateway.delete(f"/sandboxes/{second}")).status_code == 204
+    assert second in shared and (await cluster.gateway.get(f"/sandboxes/{second}")).status_code == 404
+    refused = await cluster.gateway.delete(f"/sandboxes/{second}/pause")
+    assert refused.status_code == 503
+    assert (
+        "node nb: " in refused.json()["message"] and "node nc is shutting down" in refused.json()["message"]
+    )
+    monkeypatch.undo()
+    assert (await cluster.gateway.delete(f"/sandboxes/{second}/pause")).status_code == 204
+    assert second not in shared
+
+
+async def test_a_kill_does_not_wait_for_a_node_that_hangs_in_the_discard(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(clusternode, "DISCARD_TIMEOUT", 0.2)
+    nb = cluster.nodes["nb"]
+    nb.repository, nb.full = cluster.nodes["na"].repository, True
+    sandbox_id = (await cluster.create())["sandboxID"]
+    await cluster.pause_durably(sandbox_id)
+    await cluster.kill("na")
+    release = asyncio.Event()
+
+    async def hangs(sandbox_id: str) -> None:
+        await release.wait()
+
+    monkeypatch.setattr(nb, "discard_pause", hangs)
+    try:
+        assert (await cluster.gateway.delete(f"/sandboxes/{sandbox_id}")).status_code == 204
+        assert sandbox_id in nb.repository
+    finally:
+        release.set()
 
 
 async def test_a_node_down_for_the_scheduler_but_answering_keeps_its_sandboxes(cluster: Cluster) -> None:

@@ -45,6 +45,7 @@ SUCCESS = {
     "connect": "200",
     "health": "204",
     "kill": "204",
+    "discard_pause": "204",
     "set_timeout": "204",
     "refresh": "204",
     "pause": "204",

@@ -326,6 +326,7 @@ class NodeAPI:
             ("POST", "/sandboxes/{sandboxID}/resume", self.resume),
             ("POST", "/sandboxes/{sandboxID}/connect", self.connect),
             ("POST", "/sandboxes/{sandboxID}/takeover", self.take_over),
+            ("DELETE", "/sandboxes/{sandboxID}/pause", self.discard_pause),
             ("POST", "/v2/sandboxes/{sandboxID}/connect", self.connect),
             ("GET", "/sandboxes/{sandboxID}/metrics", self.sandbox_metrics),
             ("GET", "/sandboxes/{sandboxID}/logs", self.sandbox_logs),
@@ -491,13 +492,24 @@ class NodeAPI:
         memory = body.memory is not False
         return self._created(await self.node.resume(self._id(request), body.timeout, memory=memory))
 
-    async def take_over(self, request: web.Request) -> web.Response:
-        """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
+    def _paused_id(self, request: web.Request) -> str:
+        """The id of a sandbox whose durable pause the request is about (it may be on any node)."""
         sandbox_id = self._id(request)
         if not SANDBOX_ID.fullmatch(sandbox_id):  # no sandbox has such an id, so neither has a pause
             raise NotFound(f"sandbox {sandbox_id!r} has no durable pause: not a sandbox ID")
+        return sandbox_id
+
+    async def take_over(self, request: web.Request) -> web.Response:
+        """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
+        sandbox_id = self._paused_id(request)
         body = await parse(request, schemas.TakeOver, required=False)
         return self._created(await self.node.take_over(sandbox_id, body.timeout))
+
+    async def discard_pause(self, request: web.Request) -> web.Response:
+        """Delete from the shared repository a killed sandbox's pause (`NodeService.discard_pause`)."""
+        sandbox_id = self._paused_id(request)
+        await self.node.discard_pause(sandbox_id)
+        return web.Response(status=204)
 
     async def sandbox_metrics(self, request: web.Request) -> web.Response:
         """Samples between `start` and `end` (Unix seconds, both optional), oldest first."""

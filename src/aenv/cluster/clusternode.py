@@ -17,7 +17,9 @@ reports a lost VM). A paused one whose pause is durable (committed to the shared
 resumed by another node with room, which takes it over (`NodeService.take_over`); a node-local
 pause is unavailable until its node is back. Either can be killed all the same: its binding
 gives way to a tombstone (`Scheduler.tombstone`), so it is gone for the cluster at once, can
-no longer be taken over, and its node kills it when it is back.
+no longer be taken over, and its node kills it when it is back. A durable pause killed so is
+also deleted from the shared repository by a live node (`NodeService.discard_pause`), since its
+node may never come back to delete it; if no node can, the kill stands all the same.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Literal, TypeVar
 
 import aiohttp
 
-from ..orchestrator.errors import Conflict, NotFound, SandboxError, Unavailable
+from ..orchestrator.errors import NOT_SHARED, Conflict, NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
 from ..orchestrator.interface import (
     BuildTicket,
@@ -64,6 +66,9 @@ MAX_PLACEMENTS = 8  # nodes one create tries at most before it gives up
 # this; a dead one is asked (and left out) until the scheduler has it down, 10 s by default, anyway.
 LIVE_FOR = 1.0
 SHARE_MARGIN = 1.5  # a paged list first asks each of n nodes for this many times 1/n of the page
+# Seconds a kill on a down node waits for a live node to discard its durable pause (a few requests
+# to the repository): a node that accepts the call and hangs must not hold the kill's answer.
+DISCARD_TIMEOUT = 30.0
 
 
 def _started(record: SandboxRecord) -> datetime:
@@ -297,11 +302,12 @@ class ClusterNode:
 
     async def kill(self, sandbox_id: str) -> None:
         """On its node; while that node is down and does not answer, in the cluster's records
-        (`Scheduler.tombstone`), and the node kills it when it is back."""
+        (`Scheduler.tombstone`), and the node kills it when it is back, while a live node
+        discards its durable pause, if it had one, from the shared repository now."""
 
         async def bury(binding: Binding, info: NodeInfo) -> None:
             try:
-                await self.scheduler.tombstone(sandbox_id, info.node_id)
+                binding = await self.scheduler.tombstone(sandbox_id, info.node_id)
             except NotFound:
                 raise NotFound(f"sandbox {sandbox_id} not found") from None
             except Conflict:  # taken over meanwhile: killed where it went
@@ -309,8 +315,54 @@ class ClusterNode:
                 return
             log.info("sandbox %s killed while its node %s is down: the node kills it when back",
                      sandbox_id, info.node_id)  # fmt: skip
+            if binding.state == "paused" and binding.durable:
+                await self._discard_killed(sandbox_id)
 
         await self._on_holder(sandbox_id, self._kill, away=bury)
+
+    async def _discard_killed(self, sandbox_id: str) -> None:
+        """Best effort, after a kill on a down node: its durable pause is deleted from the shared
+        repository now, as that node may never come back to. A pause that stays is no harm to
+        the kill: the tombstone is the truth, and the node's own kill removes it when back."""
+        try:
+            async with asyncio.timeout(DISCARD_TIMEOUT):
+                node_id = await self._discard(sandbox_id)
+        except TimeoutError:
+            why = f"no node discarded it within {DISCARD_TIMEOUT:.0f} s"
+        except SandboxError as exc:
+            why = exc.message
+        else:
+            log.info("the pause of sandbox %s was discarded by node %s", sandbox_id, node_id)
+            return
+        log.warning("the pause of killed sandbox %s stays in the repository: %s", sandbox_id, why)
+
+    async def discard_pause(self, sandbox_id: str) -> None:
+        """Of a sandbox that is no longer bound (killed while its node was down): by a live node
+        (`_discard`). A bound sandbox is killed instead, which ends its pause on its own node."""
+        try:
+            _, info = await self.scheduler.locate(sandbox_id)
+        except NotFound:
+            await self._discard(sandbox_id)
+            return
+        raise Conflict(f"sandbox {sandbox_id} is on node {info.node_id}: kill it instead")
+
+    async def _discard(self, sandbox_id: str) -> str:
+        """`NodeService.discard_pause` on the live nodes in the sandbox's order of them, passing
+        over those that cannot help: unreachable (or unavailable), or without a shared repository
+        (`NOT_SHARED`). Returns the node that discarded it; the node's refusal of any other kind
+        (no such pause, claimed by another node) is the answer."""
+        passed: list[str] = []
+        for info in _rendezvous(sandbox_id, await self.live_nodes()):
+            try:
+                await self.remote(info).discard_pause(sandbox_id)
+            except SandboxError as exc:
+                if not isinstance(exc, Unavailable) and exc.error_code != NOT_SHARED:
+                    raise
+                passed.append(f"node {info.node_id}: {exc.message}")
+                continue
+            return info.node_id
+        why = "; ".join(passed) or "no node is up"
+        raise Unavailable(f"no live node can discard the pause of sandbox {sandbox_id} ({why})")
 
     async def _kill(self, node: RemoteNode, binding: Binding) -> None:
         await node.kill(binding.sandbox_id)

@@ -17,7 +17,10 @@ compares everything again once the scheduler answers.
 A sandbox killed through a gateway while this node was down (or cut off) has a tombstone instead
 of a binding (`aenv.cluster.state`): its bind is refused (`SandboxKilled`), and the node kills
 it then, as a client's kill would (its VM, network, files and repository claims go), in the
-background so that the heartbeats go on. It is never bound again.
+background so that the heartbeats go on. It is never bound again. A durable pause of it was
+usually deleted from the shared repository meanwhile, by the node the killing gateway asked
+(`NodeService.discard_pause`): the kill then finds nothing there to delete, or, while that
+node's claim on it stands, finds the sandbox moved, and only this node's files of it go.
 """
 
 from __future__ import annotations

@@ -127,6 +127,9 @@ class RemoteNode:
     async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
         return await self._call("take_over", sandbox_id=sandbox_id, timeout=timeout)
 
+    async def discard_pause(self, sandbox_id: str) -> None:
+        await self._call("discard_pause", sandbox_id=sandbox_id)
+
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self._call("set_timeout", sandbox_id=sandbox_id, timeout=timeout)
 

@@ -45,12 +45,15 @@ A sandbox killed while its node is down cannot be killed on the node: the kill (
 removes its binding and writes its tombstone in one script, and every later bind of it is
 refused (`SandboxKilled`), whichever node sends it. So the node, when it is back, learns from
 its own report that the sandbox was killed, and kills it (`aenv.cluster.membership`); a late
-report of a take-over that raced the kill cannot bind it again either. A tombstone is kept for
-`tombstone_ttl` (a setting, 30 days by default), also after its node killed the sandbox,
-rather than until the node acknowledges it: a node that never comes back would keep its
-tombstones forever, and an acknowledgement would let another node's late report through. A node
-away for longer than that would bind again what was killed meanwhile, so the setting is to be
-longer than any outage a node comes back from with its disk.
+report of a take-over that raced the kill cannot bind it again either. The kill returns the
+binding it removed: a durable pause in it is deleted from the shared repository by a live node
+at once (`ClusterNode.kill`), without waiting for a node that may never come back.
+
+A tombstone is kept for `tombstone_ttl` (a setting, 30 days by default), also after its node
+killed the sandbox, rather than until the node acknowledges it: a node that never comes back
+would keep its tombstones forever, and an acknowledgement would let another node's late report
+through. A node away for longer than that would bind again what was killed meanwhile, so the
+setting is to be longer than any outage a node comes back from with its disk.
 """
 
 from __future__ import annotations

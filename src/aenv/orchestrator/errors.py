@@ -7,6 +7,10 @@ situation always gets the same answer whichever operation met it.
 
 from __future__ import annotations
 
+# The `error_code` of a Conflict for a call that needs a shared repository, on a node whose
+# repository is its own (posix): such a node cannot help, and a gateway asks another.
+NOT_SHARED = "repository_not_shared"
+
 
 class SandboxError(Exception):
     """A refused or failed operation; `message` is what the client is told."""

@@ -142,6 +142,19 @@ class NodeService(Protocol):
         """
         ...
 
+    async def discard_pause(self, sandbox_id: str) -> None:
+        """Delete from the shared repository the durable pause of a sandbox paused on another node.
+
+        For a sandbox killed while its node is down (a gateway's kill, `Scheduler.tombstone`):
+        that node may never come back to delete it, and a committed pause keeps its blobs for
+        ever. HTTP: `DELETE /sandboxes/{sandboxID}/pause`, answered 204. The pause is claimed
+        first, as a take-over claims it, so whoever continues or ends the sandbox meanwhile wins
+        or loses by that one claim: 409 if another node claimed it (a take-over, or its own node
+        back), 404 if there is no such pause, 409 with `error_code` `repository_not_shared` on a
+        node whose repository is its own, and 409 if the sandbox is on this node (kill it).
+        """
+        ...
+
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None: ...
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> None: ...

@@ -127,6 +127,9 @@ class LocalNode:
     async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
         return (await self.orchestrator.take_over(sandbox_id, timeout)).record
 
+    async def discard_pause(self, sandbox_id: str) -> None:
+        await self.orchestrator.discard_pause(sandbox_id)
+
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None:
         await self.orchestrator.set_timeout(self._sandbox(sandbox_id), timeout)
 

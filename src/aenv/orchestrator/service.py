@@ -39,7 +39,7 @@ from ..snapshot.repository import (
 )
 from ..vmm.envd_link import EnvdUnavailable
 from .admission import Admission, meminfo_mib
-from .errors import Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
+from .errors import NOT_SHARED, Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
 from .interface import CreateRequest
 from .metrics import MetricsArchive, between, merge, sandbox_metric
 from .states import Op, State, Transition, transition
@@ -728,6 +728,30 @@ class Orchestrator:
                 raise OperationFailed(f"taking over sandbox {sandbox_id} failed: {exc}") from exc
         self.lost.pop(sandbox_id, None)
         return sandbox
+
+    async def discard_pause(self, sandbox_id: str) -> None:
+        """Delete the durable pause of a sandbox killed while the node it was paused on is down.
+
+        Only a shared repository holds other nodes' pauses: a node without one says so
+        (`NOT_SHARED`), and a gateway asks another node.
+        """
+        if sandbox_id in self.sandboxes:
+            raise Conflict(f"sandbox {sandbox_id} is on this node: kill it instead")
+        if not self.engine.handover.enabled:
+            raise Conflict(
+                "this node's repository is its own (not shared): it holds no pause of another "
+                "node's sandbox", NOT_SHARED,
+            )  # fmt: skip
+        try:
+            pause = await self.engine.handover.discard(sandbox_id)
+        except (SnapshotNotFound, InvalidName):
+            raise NotFound(f"sandbox {sandbox_id} has no durable pause in the repository") from None
+        except SandboxMoved as exc:
+            raise Conflict(f"the pause of sandbox {sandbox_id} is claimed by node {exc.node}") from exc
+        except Exception as exc:  # the claim, if taken, was given back: a later discard may succeed
+            log.exception("discarding the pause of sandbox %s failed", sandbox_id)
+            raise OperationFailed(f"discarding the pause of sandbox {sandbox_id} failed: {exc}") from exc
+        log.info("discarded pause %s of sandbox %s, killed while its node was down", pause, sandbox_id)
 
     async def fork(self, sandbox: Sandbox, count: int, timeout: int | None) -> list[Sandbox]:
         if not 1 <= count <= self.settings.max_fork_count:

@@ -21,6 +21,8 @@ conditional write): a resume here, a kill here and a take-over elsewhere each cl
 and the loser backs off. The node that loses a paused sandbox this way considers it gone
 (`SandboxMoved`). A take-over starts the sandbox from the pause snapshot like any snapshot,
 with the same sandbox id; the pause snapshot is then deleted, deferred until that sandbox ends.
+A sandbox killed through a gateway while its node is down is over for good: another node claims
+its pause snapshot the same way and deletes it (`discard`), as its node may never come back to.
 """
 
 from __future__ import annotations
@@ -255,3 +257,23 @@ class Handover:
             raise
         await asyncio.to_thread(self._delete, pause.id)  # hidden now, removed when the sandbox ends
         return sandbox
+
+    async def discard(self, sandbox_id: str) -> str:
+        """Claim and delete the pause snapshot of a sandbox that ended while its node was away
+        (killed through a gateway); returns its id.
+
+        Claimed first, as a take-over would: a take-over under way elsewhere, or the pausing node
+        back and resuming or killing the sandbox itself, is decided by the same one claim, and
+        the loser backs off (`SandboxMoved` here). A delete that fails gives the claim back, so
+        the pausing node's own kill still removes the pause when it is back.
+        """
+        pause = await asyncio.to_thread(self.find, sandbox_id)
+        winner = await asyncio.to_thread(self.host.repository.claim, pause.id)
+        if winner != self.node:
+            raise SandboxMoved(sandbox_id, winner)
+        try:
+            await asyncio.to_thread(self.host.repository.delete, pause.id, defer=True)
+        except BaseException:
+            await asyncio.to_thread(self.host.repository.unclaim, pause.id)
+            raise
+        return pause.id
