@@ -100,7 +100,14 @@ def test_killed_envd_comes_back_with_its_token(sandboxes, base_template):
 
 
 def test_idle_guest_kernel_has_no_needless_timers(sandbox):
-    """Each wakeup of an idle guest costs its host CPU: proactive compaction and the soft-lockup
-    watchdog are off (the guest kernel's command line)."""
-    settings = "/proc/sys/vm/compaction_proactiveness /proc/sys/kernel/watchdog"
-    assert sandbox.commands.run(f"cat {settings}", user="root").stdout.split() == ["0", "0"]
+    """Each wakeup of an idle guest costs its host CPU: proactive compaction, the soft-lockup
+    watchdog and pressure-stall tracking are off, the vmstat shepherd and the managed neighbour
+    probes are rare (the guest kernel's command line)."""
+    settings = (
+        "/proc/sys/vm/compaction_proactiveness /proc/sys/kernel/watchdog /proc/sys/vm/stat_interval"
+        " /proc/sys/net/ipv4/neigh/default/interval_probe_time_ms"
+        " /proc/sys/net/ipv6/neigh/default/interval_probe_time_ms"
+    )
+    values = sandbox.commands.run(f"cat {settings}", user="root").stdout.split()
+    assert values == ["0", "0", "10", "3600000", "3600000"]
+    assert not sandbox.files.exists("/proc/pressure")
