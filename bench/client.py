@@ -38,7 +38,8 @@ class NodeClient:
     async def _call(self, method: str, path: str, expect: int | tuple[int, ...], body: Any = None) -> Any:
         response = await self.http.request(method, path, json=body)
         if response.status_code not in (expect if isinstance(expect, tuple) else (expect,)):
-            raise BenchError(f"{method} {path} answered {response.status_code}: {response.text[:400]}")
+            message = f"{method} {path} answered {response.status_code}: {response.text[:400]}"
+            raise BenchError(message, response.status_code)
         return response.json() if response.content else None
 
     async def create(self, template: str = "base") -> dict[str, Any]:

@@ -38,7 +38,12 @@ PARK_SECONDS = 10.0
 
 
 class BenchError(RuntimeError):
-    """The node or a guest did not do what a measurement needs."""
+    """The node or a guest did not do what a measurement needs; `status`: the node's HTTP status
+    when it answered otherwise than the API documents for success."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
