@@ -24,7 +24,8 @@ bounded number of round trips. Deltas, device state and the upper disk layers (s
 rewritten or read whole) are fetched whole. Once a blob is partial on a node it stays served
 through the mount until it is evicted, so every sandbox from it maps the same file (one
 page-cache copy) and finds its mapping by that path. If the server is gone, blobs are fetched
-whole instead.
+whole instead. With peer-to-peer transport on (`aenv.storage.peers`), blobs fetched whole are
+asked of the node's peers first.
 
 Both make one file per snapshot here: its restorable stream, spliced once from its vmstate
 prefix and device state and kept under the node's `runtime/` directory until the snapshot is gone.
@@ -53,6 +54,7 @@ from .protocols import Repository
 
 if TYPE_CHECKING:
     from .lazyfs import LazyMount
+    from .peers import BlobSource
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +143,12 @@ class CachedRuntime(LocalRuntime):
 
     def __init__(
         self, repository: Repository, layers: LayerStore, runtime_dir: Path, cache: BlobCache,
-        lazy: LazyMount | None = None,
+        lazy: LazyMount | None = None, source: BlobSource | None = None,
     ) -> None:  # fmt: skip
         super().__init__(repository, layers, runtime_dir)  # type: ignore[arg-type]
         self._remote = repository
+        # Where whole blobs come from: the repository, or peers first (aenv.storage.peers).
+        self._source: BlobSource = source if source is not None else repository
         self.cache = cache
         self.lazy = lazy
         # Blobs started on demand whose restore profile is not recorded yet, by the snapshot
@@ -156,7 +160,7 @@ class CachedRuntime(LocalRuntime):
 
     def _blob(self, digest: str, owner: str | None = None) -> Path:
         def fetch(dest: Path) -> None:
-            self._remote.fetch_blob(digest, dest)
+            self._source.fetch_blob(digest, dest)
 
         return self.cache.get(digest.removeprefix("sha256:"), fetch, owner)
 
@@ -261,7 +265,7 @@ class CachedRuntime(LocalRuntime):
 
     def _layer_filler(self, digest: str, below: Path | None) -> Callable[[Path], None]:
         def fill(dest: Path) -> None:
-            self._remote.fetch_blob(digest, dest)
+            self._source.fetch_blob(digest, dest)
             backing = ["-b", str(below), "-F", "qcow2"] if below is not None else ["-b", ""]
             done = subprocess.run(
                 ["qemu-img", "rebase", "-u", "-f", "qcow2", *backing, str(dest)], capture_output=True

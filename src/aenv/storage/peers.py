@@ -1,0 +1,219 @@
+"""Peer-to-peer blob transport (optional, off by default): nodes sharing an s3 repository fetch
+blobs from each other before the object store.
+
+With `AENV_P2P=true` a node serves the committed blobs it holds whole in its runtime cache
+(`GET /p2p/blobs/<hex>` on its API port, byte ranges included) and its runtime cache asks its
+peers for a missing blob, in turn, before the repository (`PeerSource.fetch_blob`). The object
+store stays the source of truth, and P2P only reads: committing and uploading are unchanged.
+
+Decisions, and why:
+
+- Verified whatever the source: a blob from a peer is rehashed against its digest (its name)
+  before the cache takes it, as one from the store is; a mismatch, an error answer or a timeout
+  is logged and the next peer, then the store, is asked. A bad peer costs time, never data.
+- A node serves only what it holds whole (complete cache entries, which are verified copies):
+  never a partial on-demand copy, and it never fetches on a peer's behalf, so a request is one
+  hop (no loops, no amplification) and a node that lacks the blob answers 404 at once.
+- Peers: in a cluster, the nodes the scheduler lists that are not down (draining nodes still
+  hold their blobs), asked at most every `PEERS_TTL` seconds; otherwise `AENV_P2P_PEERS`. The
+  node itself is left out (by id and by address).
+- Plain HTTP on the API port, not a second listener or transport (the reference system uses
+  iroh): nodes already reach each other there, and the cluster secret guards it (a node in a
+  cluster takes no call without it, `aenv.cluster.auth`). Without a cluster secret the route needs
+  no API key (peers do not have this node's): whoever reaches the node and names a digest can
+  read that blob, so outside a trusted network set `AENV_CLUSTER_SECRET`.
+- Whole blobs only: on-demand loading's ranged reads (`aenv.storage.lazyfs`, its own process)
+  still go to the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily
+from pydantic import TypeAdapter, ValidationError
+
+from .. import __version__
+from ..cluster.auth import CLUSTER_SECRET_HEADER
+from ..cluster.model import NodeInfo, NodeState
+from ..snapshot.repository import CHUNK, RepositoryError, check_digest, write_fetched
+from .cache import BlobCache
+
+log = logging.getLogger(__name__)
+
+BLOB_PATH = "/p2p/blobs/{hex}"
+HEX_RE = re.compile(r"[0-9a-f]{64}")
+PEERS_TTL = 5.0  # seconds a scheduler's node list is used before it is asked again
+# A peer answers from its local disk: one that cannot connect in a second, or stalls for ten
+# seconds between reads, is skipped for the next source.
+PEER_TIMEOUT = httpx.Timeout(10.0, connect=1.0)
+SCHEDULER_TIMEOUT = httpx.Timeout(3.0)
+_NODES = TypeAdapter(list[NodeInfo])
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Peers(Protocol):
+    def urls(self) -> list[str]:
+        """Base URLs of the peers to ask, this node excluded."""
+        ...
+
+
+class BlobSource(Protocol):
+    def fetch_blob(self, digest: str, dest: Path) -> None: ...
+
+
+def _headers(secret: str | None) -> dict[str, str]:
+    headers = {"User-Agent": f"aenv/{__version__}"}
+    if secret:
+        headers[CLUSTER_SECRET_HEADER] = secret
+    return headers
+
+
+@dataclass(frozen=True)
+class StaticPeers:
+    """A fixed list (`AENV_P2P_PEERS`), without this node's own address."""
+
+    peers: tuple[str, ...]
+    own: str = ""
+
+    def urls(self) -> list[str]:
+        return [url for url in self.peers if url != self.own]
+
+
+class SchedulerPeers:
+    """The cluster's other live nodes, as the scheduler lists them, cached for `ttl` seconds.
+
+    A scheduler that cannot be reached means no peers for now (the store still answers).
+    """
+
+    def __init__(self, scheduler_url: str, node_id: str, secret: str | None, ttl: float = PEERS_TTL):
+        self.url = scheduler_url.rstrip("/") + "/nodes"
+        self.node_id = node_id
+        self.headers = _headers(secret)
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._urls: list[str] = []
+        self._at = float("-inf")
+
+    def urls(self) -> list[str]:
+        with self._lock:
+            if time.monotonic() - self._at >= self.ttl:
+                self._urls, self._at = self._ask(), time.monotonic()
+            return list(self._urls)
+
+    def _ask(self) -> list[str]:
+        try:
+            response = httpx.get(self.url, headers=self.headers, timeout=SCHEDULER_TIMEOUT)
+            response.raise_for_status()
+            nodes = _NODES.validate_json(response.content)
+        except (httpx.HTTPError, ValidationError) as exc:
+            log.warning("no peers for now: the scheduler's node list failed: %s", exc)
+            return []
+        return [
+            n.address.rstrip("/") for n in nodes if n.node_id != self.node_id and n.status != NodeState.DOWN
+        ]
+
+
+class PeerSource:
+    """Blobs from peers first, then from the repository (`BlobSource`), each verified.
+
+    Counts what came from where (`collect`: Prometheus counters).
+    """
+
+    def __init__(self, store: BlobSource, peers: Peers, secret: str | None = None):
+        self.store = store
+        self.peers = peers
+        self._client = httpx.Client(headers=_headers(secret), timeout=PEER_TIMEOUT)
+        self._lock = threading.Lock()
+        self.blobs = {"peer": 0, "store": 0}
+        self.bytes = {"peer": 0, "store": 0}
+        self.rejected = 0  # peer answers that failed: errors, timeouts, bad digests
+
+    def fetch_blob(self, digest: str, dest: Path) -> None:
+        """Write the blob to the new file `dest`: from the first peer holding it, else the store."""
+        check_digest(digest)
+        for url in self.peers.urls():
+            try:
+                self._from_peer(url, digest, dest)
+            except (httpx.HTTPError, RepositoryError, OSError) as exc:
+                with self._lock:
+                    self.rejected += 1
+                log.warning("peer %s did not give blob %s: %s", url, digest, exc)
+                continue
+            except _Absent:
+                continue
+            self._count("peer", dest)
+            return
+        self.store.fetch_blob(digest, dest)
+        self._count("store", dest)
+
+    def _from_peer(self, url: str, digest: str, dest: Path) -> None:
+        hex_digest = digest.removeprefix("sha256:")
+        with self._client.stream("GET", url + BLOB_PATH.format(hex=hex_digest)) as response:
+            if response.status_code == 404:
+                raise _Absent
+            response.raise_for_status()
+            write_fetched(dest, response.iter_bytes(CHUNK), digest)
+
+    def _count(self, source: str, dest: Path) -> None:
+        size = dest.stat().st_size
+        with self._lock:
+            self.blobs[source] += 1
+            self.bytes[source] += size
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """Prometheus counters (a collector for the node's registry)."""
+        with self._lock:
+            blobs, sizes, rejected = dict(self.blobs), dict(self.bytes), self.rejected
+        for name, values, text in (
+            ("aenv_p2p_fetched_blobs", blobs, "Blobs the runtime cache fetched, by source (peer or store)"),
+            ("aenv_p2p_fetched_bytes", sizes, "Bytes of blobs the runtime cache fetched, by source"),
+        ):
+            family = CounterMetricFamily(name, text, labels=["source"])
+            for source, value in values.items():
+                family.add_metric([source], value)
+            yield family
+        yield CounterMetricFamily("aenv_p2p_rejected", "Peer answers refused (errors, bad digests)", rejected)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _Absent(Exception):
+    """The peer does not hold the blob whole (its 404): the next source is asked, nothing logged."""
+
+
+class BlobServer:
+    """The route peers fetch blobs from; `cache` None: P2P is off here, every blob is 404."""
+
+    def __init__(self, cache: BlobCache | None):
+        self.cache = cache
+        self.served = 0
+
+    def route(self) -> tuple[str, str, Handler]:
+        return ("GET", BLOB_PATH, self.handle)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.cache is None:
+            raise web.HTTPNotFound(text="peer-to-peer blob transport is off on this node")
+        hex_digest = request.match_info["hex"]
+        if not HEX_RE.fullmatch(hex_digest):
+            raise web.HTTPBadRequest(text="a blob is named by the 64 lowercase hex digits of its sha256")
+        path = self.cache.whole(hex_digest)
+        if path is None:
+            raise web.HTTPNotFound(text=f"this node holds no whole copy of blob sha256:{hex_digest}")
+        self.served += 1
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+    # No API key: peers do not have this node's. The cluster secret guards it when one is set.
+    handle.presigned = True  # type: ignore[attr-defined]

@@ -1,0 +1,168 @@
+"""Peer-to-peer blob transport (`aenv.storage.peers`) between nodes sharing a real SeaweedFS bucket.
+
+Each node is its storage as `aenv server` opens it (`open_storage`) and, for the serving side,
+the node API's app with the blob route on a loopback port. Fetches run in a worker thread, as
+the engine's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp.test_utils import TestServer
+
+from aenv.api import schemas
+from aenv.api.server import NodeAPI
+from aenv.cluster.auth import CLUSTER_SECRET_HEADER
+from aenv.config import Settings
+from aenv.storage.open import Storage, open_storage
+from aenv.storage.peers import BlobServer
+from aenv.storage.runtime import CachedRuntime
+
+from .seaweed import S3Server
+from .test_cached_runtime import snapshot_manifest
+
+KEY = "e2b_" + "2e" * 20
+MIB = 1 << 20
+
+
+class NoNode:
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the blob route called the node service ({name})")
+
+
+@pytest.fixture
+def make_node(s3_server: S3Server, tmp_path: Path):
+    """A node's storage on one shared bucket; P2P on (unless `p2p` is false) if `peers` are given."""
+    bucket = s3_server.new_bucket()
+    opened: list[Storage] = []
+
+    def make(
+        name: str, peers: list[str] | None = None, secret: str | None = None, p2p: bool = True
+    ) -> Storage:
+        settings = Settings(
+            home_path=tmp_path / name, repository=f"s3://{bucket}/aenv", s3_endpoint=s3_server.endpoint,
+            s3_region=s3_server.region, s3_access_key=s3_server.access_key,
+            s3_secret_key=s3_server.secret_key, lazy_loading=False, p2p=p2p and peers is not None,
+            p2p_peers=",".join(peers or ()), cluster_secret=secret,
+        ).validate()  # fmt: skip
+        storage = open_storage(settings, name)
+        opened.append(storage)
+        return storage
+
+    make.bucket = bucket  # type: ignore[attr-defined]
+    yield make
+    for storage in opened:
+        storage.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(blobs: BlobServer, secret: str | None = None) -> AsyncIterator[str]:
+    """The node API's app with the blob route, as `aenv server` mounts it; yields its base URL."""
+    api = NodeAPI(NoNode(), domain="localhost:1", limits=schemas.limits(Settings()))  # type: ignore[arg-type]
+    server = TestServer(api.app(KEY, secret, [blobs.route()]), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+def runtime(storage: Storage) -> CachedRuntime:
+    assert isinstance(storage.runtime, CachedRuntime)
+    return storage.runtime
+
+
+def memory() -> bytes:
+    """An image with a hole in it (holes must stay holes whatever the source)."""
+    return os.urandom(MIB) + bytes(2 * MIB) + os.urandom(MIB)
+
+
+def held_by(storage: Storage, content: bytes):
+    """A snapshot committed through `storage` whose memory image this node now caches whole."""
+    manifest = snapshot_manifest(storage.repository, ("sha256:" + "0" * 64,), content)
+    assert runtime(storage).memory_image(manifest).read_bytes() == content
+    return manifest
+
+
+async def test_a_node_takes_a_blob_from_a_peer_not_the_store(make_node, s3_server: S3Server):
+    a = make_node("node-a")
+    content = memory()
+    manifest = held_by(a, content)
+    # Gone from the store: only node A can still give it.
+    key = "aenv/blobs/sha256/" + manifest.memory_image.removeprefix("sha256:")
+    s3_server.client().delete_object(Bucket=make_node.bucket, Key=key)
+    async with serving(BlobServer(a.cache)) as url_a:
+        b = make_node("node-b", peers=[url_a])
+        path = await asyncio.to_thread(runtime(b).memory_image, manifest)
+    assert path.read_bytes() == content
+    assert path.stat().st_blocks * 512 < len(content)  # the hole stayed a hole
+    assert b.peers is not None and b.peers.blobs == {"peer": 1, "store": 0}
+    assert b.peers.bytes["peer"] == len(content)
+
+
+async def test_corrupt_and_absent_peers_are_skipped_for_the_store(make_node, tmp_path: Path):
+    a = make_node("node-a")
+    content = memory()
+    manifest = held_by(a, content)
+    cached = a.cache.path(manifest.memory_image.removeprefix("sha256:"))
+    cached.chmod(0o644)
+    with open(cached, "r+b") as f:  # a peer whose copy rotted
+        f.write(b"rot")
+    other = make_node("node-other")  # holds nothing: answers 404
+    async with (
+        serving(BlobServer(other.cache)) as url_other,
+        serving(BlobServer(None)) as url_off,  # P2P off there: 404 to every blob
+        serving(BlobServer(a.cache)) as url_a,
+    ):
+        b = make_node("node-b", peers=[url_other, url_off, url_a, "http://127.0.0.1:9"])
+        path = await asyncio.to_thread(runtime(b).memory_image, manifest)
+        async with httpx.AsyncClient() as client:
+            absent = await client.get(f"{url_other}/p2p/blobs/{manifest.memory_image[7:]}")
+            disabled = await client.get(f"{url_off}/p2p/blobs/{manifest.memory_image[7:]}")
+            bad = await client.get(f"{url_other}/p2p/blobs/not-a-digest")
+    assert path.read_bytes() == content
+    assert b.peers is not None and b.peers.blobs == {"peer": 0, "store": 1}
+    assert b.peers.rejected == 2  # the rotten copy and the peer that is not there; 404s are no fault
+    assert (absent.status_code, disabled.status_code, bad.status_code) == (404, 404, 400)
+    assert "off" in disabled.json()["message"]
+
+
+async def test_p2p_off_asks_no_peer(make_node):
+    a = make_node("node-a")
+    content = memory()
+    manifest = held_by(a, content)
+    blobs = BlobServer(a.cache)
+    async with serving(blobs) as url_a:
+        b = make_node("node-b", peers=[url_a], p2p=False)  # peers named, but P2P off
+        path = await asyncio.to_thread(runtime(b).memory_image, manifest)
+    assert path.read_bytes() == content
+    assert b.peers is None and blobs.served == 0
+
+
+async def test_with_a_cluster_secret_only_its_holders_get_blobs(make_node):
+    secret = secrets.token_hex(16)
+    a = make_node("node-a", secret=secret)
+    content = memory()
+    manifest = held_by(a, content)
+    async with serving(BlobServer(a.cache), secret) as url_a:
+        outsider = make_node("node-outsider", peers=[url_a])  # no secret
+        member = make_node("node-member", peers=[url_a], secret=secret)
+        assert (await asyncio.to_thread(runtime(outsider).memory_image, manifest)).read_bytes() == content
+        assert (await asyncio.to_thread(runtime(member).memory_image, manifest)).read_bytes() == content
+        url = f"{url_a}/p2p/blobs/{manifest.memory_image[7:]}"
+        async with httpx.AsyncClient() as client:
+            refused = await client.get(url)
+            ranged = await client.get(url, headers={CLUSTER_SECRET_HEADER: secret, "Range": "bytes=10-19"})
+    assert refused.status_code == 401
+    assert (ranged.status_code, ranged.content) == (206, content[10:20])
+    assert outsider.peers is not None and outsider.peers.blobs == {"peer": 0, "store": 1}
+    assert outsider.peers.rejected == 1
+    assert member.peers is not None and member.peers.blobs == {"peer": 1, "store": 0}
