@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import os
 import secrets
 from collections.abc import AsyncIterator
@@ -17,11 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry, generate_latest
 
 from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.config import Settings
+from aenv.storage.chunks import CHUNK_SIZE, ChunkIndex
 from aenv.storage.open import Storage, open_storage
 from aenv.storage.peers import BlobServer
 from aenv.storage.runtime import CachedRuntime
@@ -45,12 +49,16 @@ def make_node(s3_server: S3Server, tmp_path: Path):
     opened: list[Storage] = []
 
     def make(
-        name: str, peers: list[str] | None = None, secret: str | None = None, p2p: bool = True
+        name: str,
+        peers: list[str] | None = None,
+        secret: str | None = None,
+        p2p: bool = True,
+        lazy: bool = False,
     ) -> Storage:
         settings = Settings(
             home_path=tmp_path / name, repository=f"s3://{bucket}/aenv", s3_endpoint=s3_server.endpoint,
             s3_region=s3_server.region, s3_access_key=s3_server.access_key,
-            s3_secret_key=s3_server.secret_key, lazy_loading=False, p2p=p2p and peers is not None,
+            s3_secret_key=s3_server.secret_key, lazy_loading=lazy, p2p=p2p and peers is not None,
             p2p_peers=",".join(peers or ()), cluster_secret=secret,
         ).validate()  # fmt: skip
         storage = open_storage(settings, name)
@@ -106,6 +114,9 @@ async def test_a_node_takes_a_blob_from_a_peer_not_the_store(make_node, s3_serve
     assert path.stat().st_blocks * 512 < len(content)  # the hole stayed a hole
     assert b.peers is not None and b.peers.blobs == {"peer": 1, "store": 0}
     assert b.peers.bytes["peer"] == len(content)
+    registry = CollectorRegistry()  # as `aenv server` shows them on /metrics
+    registry.register(b.peers)
+    assert 'aenv_p2p_fetched_blobs_total{source="peer"} 1.0' in generate_latest(registry).decode()
 
 
 async def test_corrupt_and_absent_peers_are_skipped_for_the_store(make_node, tmp_path: Path):
@@ -166,3 +177,50 @@ async def test_with_a_cluster_secret_only_its_holders_get_blobs(make_node):
     assert outsider.peers is not None and outsider.peers.blobs == {"peer": 0, "store": 1}
     assert outsider.peers.rejected == 1
     assert member.peers is not None and member.peers.blobs == {"peer": 1, "store": 0}
+
+
+async def test_on_demand_prefetch_takes_verified_chunks_from_a_peer(make_node, tmp_path: Path):
+    """A cold on-demand start prefetches the restore profile's chunks: runs a peer holds intact
+    come from it, a run in which its copy rotted comes from the store."""
+    a = make_node("node-a")
+    image = tmp_path / "memory"
+    image.write_bytes(os.urandom(40 * CHUNK_SIZE))  # large enough for a chunk index
+    base = snapshot_manifest(a.repository, ("sha256:" + "0" * 64,), b"unused")
+    manifest = dataclasses.replace(base, memory_image=a.repository.put_blob(image))
+    content = image.read_bytes()
+    assert runtime(a).memory_image(manifest).read_bytes() == content
+    profile = [1, 2, 3, 20, 21, 22, 23]  # with chunk 0: two runs, chunks 0-3 and 20-23
+    a.repository.reader.record_profile(manifest.memory_image, profile)
+    cached = a.cache.path(manifest.memory_image.removeprefix("sha256:"))
+    cached.chmod(0o644)
+    with open(cached, "r+b") as f:
+        f.seek(21 * CHUNK_SIZE)
+        f.write(b"rot")
+    async with serving(BlobServer(a.cache)) as url_a:
+        b = make_node("node-b", peers=[url_a], lazy=True)
+        if b.lazy is None:
+            pytest.skip("no FUSE on this host: on-demand loading is off")
+        await asyncio.to_thread(runtime(b).memory_image, manifest)
+    assert b.peers is not None and b.peers.blobs == {"peer": 0, "store": 0}  # nothing fetched whole
+    assert b.peers.range_bytes == {"peer": 4 * CHUNK_SIZE, "store": 4 * CHUNK_SIZE}
+    assert b.peers.rejected == 1
+    partial = b.cache.path(manifest.memory_image.removeprefix("sha256:"))
+    with open(partial, "rb") as f:
+        for i in (0, *profile):
+            f.seek(i * CHUNK_SIZE)
+            expected = content[i * CHUNK_SIZE : (i + 1) * CHUNK_SIZE]
+            assert hashlib.sha256(f.read(CHUNK_SIZE)).digest() == hashlib.sha256(expected).digest()
+
+
+def test_a_range_is_kept_only_if_its_chunks_match():
+    data = os.urandom(2 * CHUNK_SIZE + 100)
+    index = ChunkIndex(
+        len(data),
+        CHUNK_SIZE,
+        tuple(hashlib.sha256(data[i : i + CHUNK_SIZE]).hexdigest() for i in range(0, len(data), CHUNK_SIZE)),
+    )
+    assert index.verified(0, data) and index.verified(CHUNK_SIZE, data[CHUNK_SIZE:])
+    assert not index.verified(0, data[:-1])  # short of the end
+    assert not index.verified(1, data[1 : CHUNK_SIZE + 1])  # not whole chunks
+    assert not index.verified(0, b"x" + data[1:])
+    assert not index.verified(0, b"")

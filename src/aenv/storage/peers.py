@@ -3,7 +3,8 @@ blobs from each other before the object store.
 
 With `AENV_P2P=true` a node serves the committed blobs it holds whole in its runtime cache
 (`GET /p2p/blobs/<hex>` on its API port, byte ranges included) and its runtime cache asks its
-peers for a missing blob, in turn, before the repository (`PeerSource.fetch_blob`). The object
+peers for a missing blob, in turn, before the repository (`PeerSource.fetch_blob`, and
+`PeerSource.ranges` for on-demand loading's prefetch). The object
 store stays the source of truth, and P2P only reads: committing and uploading are unchanged.
 
 Decisions, and why:
@@ -22,8 +23,10 @@ Decisions, and why:
   cluster takes no call without it, `aenv.cluster.auth`). Without a cluster secret the route needs
   no API key (peers do not have this node's): whoever reaches the node and names a digest can
   read that blob, so outside a trusted network set `AENV_CLUSTER_SECRET`.
-- Whole blobs only: on-demand loading's ranged reads (`aenv.storage.lazyfs`, its own process)
-  still go to the store.
+- Whole blobs, and the prefetch of on-demand loading (the chunks a restore reads, fetched by the
+  node before QEMU starts: `PeerSource.ranges`, each chunk checked against the blob's chunk
+  index). What the FUSE server fetches later, as the guest touches it (`aenv.storage.lazyfs`,
+  its own process, outliving the node), still comes from the store.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from ..cluster.auth import CLUSTER_SECRET_HEADER
 from ..cluster.model import NodeInfo, NodeState
 from ..snapshot.repository import CHUNK, RepositoryError, check_digest, write_fetched
 from .cache import BlobCache
+from .chunks import ChunkIndex, Fetch
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,7 @@ class PeerSource:
         self._lock = threading.Lock()
         self.blobs = {"peer": 0, "store": 0}
         self.bytes = {"peer": 0, "store": 0}
+        self.range_bytes = {"peer": 0, "store": 0}  # on-demand loading's ranged reads
         self.rejected = 0  # peer answers that failed: errors, timeouts, bad digests
 
     def fetch_blob(self, digest: str, dest: Path) -> None:
@@ -165,6 +170,52 @@ class PeerSource:
             response.raise_for_status()
             write_fetched(dest, response.iter_bytes(CHUNK), digest)
 
+    def ranges(self, digest: str, index: ChunkIndex, store: Fetch) -> Fetch:
+        """Ranged reads of blob `digest` for on-demand loading: whole chunks from peers first,
+        each checked against `index`; other reads, and any a peer fails, from `store`.
+
+        A peer that does not hold the blob (404) is not asked again for it by this reader.
+        """
+        hex_digest = check_digest(digest).removeprefix("sha256:")
+        lacking: set[str] = set()
+
+        def fetch(offset: int, length: int) -> bytes:
+            whole_chunks = offset % index.chunk_size == 0
+            for url in [u for u in self.peers.urls() if u not in lacking] if whole_chunks else []:
+                try:
+                    data = self._range_from_peer(url + BLOB_PATH.format(hex=hex_digest), offset, length)
+                except _Absent:
+                    lacking.add(url)
+                    continue
+                except httpx.HTTPError as exc:
+                    data, problem = None, str(exc)
+                else:
+                    problem = "its bytes do not match the chunk index"
+                if data is not None and index.verified(offset, data):
+                    self._count_range("peer", len(data))
+                    return data
+                with self._lock:
+                    self.rejected += 1
+                log.warning(
+                    "peer %s did not give bytes %d+%d of %s: %s", url, offset, length, digest, problem
+                )
+            data = store(offset, length)
+            self._count_range("store", len(data))
+            return data
+
+        return fetch
+
+    def _range_from_peer(self, url: str, offset: int, length: int) -> bytes:
+        response = self._client.get(url, headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        if response.status_code == 404:
+            raise _Absent
+        response.raise_for_status()
+        return response.content
+
+    def _count_range(self, source: str, size: int) -> None:
+        with self._lock:
+            self.range_bytes[source] += size
+
     def _count(self, source: str, dest: Path) -> None:
         size = dest.stat().st_size
         with self._lock:
@@ -174,10 +225,16 @@ class PeerSource:
     def collect(self) -> Iterator[CounterMetricFamily]:
         """Prometheus counters (a collector for the node's registry)."""
         with self._lock:
-            blobs, sizes, rejected = dict(self.blobs), dict(self.bytes), self.rejected
+            blobs, sizes, ranges = dict(self.blobs), dict(self.bytes), dict(self.range_bytes)
+            rejected = self.rejected
         for name, values, text in (
-            ("aenv_p2p_fetched_blobs", blobs, "Blobs the runtime cache fetched, by source (peer or store)"),
-            ("aenv_p2p_fetched_bytes", sizes, "Bytes of blobs the runtime cache fetched, by source"),
+            (
+                "aenv_p2p_fetched_blobs",
+                blobs,
+                "Whole blobs the runtime cache fetched, by source (peer or store)",
+            ),
+            ("aenv_p2p_fetched_bytes", sizes, "Bytes of whole blobs the runtime cache fetched, by source"),
+            ("aenv_p2p_range_bytes", ranges, "Bytes prefetched for on-demand loading, by source"),
         ):
             family = CounterMetricFamily(name, text, labels=["source"])
             for source, value in values.items():

@@ -25,7 +25,7 @@ rewritten or read whole) are fetched whole. Once a blob is partial on a node it 
 through the mount until it is evicted, so every sandbox from it maps the same file (one
 page-cache copy) and finds its mapping by that path. If the server is gone, blobs are fetched
 whole instead. With peer-to-peer transport on (`aenv.storage.peers`), blobs fetched whole are
-asked of the node's peers first.
+asked of the node's peers first, and so are the chunks prefetched before an on-demand start.
 
 Both make one file per snapshot here: its restorable stream, spliced once from its vmstate
 prefix and device state and kept under the node's `runtime/` directory until the snapshot is gone.
@@ -34,6 +34,7 @@ prefix and device state and kept under the node's `runtime/` directory until the
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -48,13 +49,13 @@ from ..snapshot.manifest import DIGEST_RE, MachineShape, SnapshotManifest
 from ..snapshot.repository import SnapshotRepository
 from ..vmm.launcher import BootFiles
 from .cache import BlobCache, CacheStats
-from .chunks import ChunkFile, ChunkIndex, held_chunks
+from .chunks import ChunkFile, ChunkIndex, Fetch, held_chunks
 from .layers import LayerError, LayerStore
 from .protocols import Repository
 
 if TYPE_CHECKING:
     from .lazyfs import LazyMount
-    from .peers import BlobSource
+    from .peers import BlobSource, PeerSource
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +144,13 @@ class CachedRuntime(LocalRuntime):
 
     def __init__(
         self, repository: Repository, layers: LayerStore, runtime_dir: Path, cache: BlobCache,
-        lazy: LazyMount | None = None, source: BlobSource | None = None,
+        lazy: LazyMount | None = None, peers: PeerSource | None = None,
     ) -> None:  # fmt: skip
         super().__init__(repository, layers, runtime_dir)  # type: ignore[arg-type]
         self._remote = repository
-        # Where whole blobs come from: the repository, or peers first (aenv.storage.peers).
-        self._source: BlobSource = source if source is not None else repository
+        # Where blobs come from: the repository, or peers first (aenv.storage.peers).
+        self._peers = peers
+        self._source: BlobSource = peers if peers is not None else repository
         self.cache = cache
         self.lazy = lazy
         # Blobs started on demand whose restore profile is not recorded yet, by the snapshot
@@ -205,7 +207,10 @@ class CachedRuntime(LocalRuntime):
         if existed and not self.cache.is_partial(key):
             return False  # filled whole by another thread meanwhile
         self.lazy.publish(key, index)  # first: a concurrent start may hand the file to QEMU now
-        chunks = ChunkFile(path, index, lambda offset, length: reader.read_range(digest, offset, length))
+        fetch: Fetch = functools.partial(reader.read_range, digest)
+        if self._peers is not None:
+            fetch = self._peers.ranges(digest, index, fetch)
+        chunks = ChunkFile(path, index, fetch)
         profile = reader.profile(digest)
         chunks.prefetch({0, *(i for i in profile or () if 0 <= i < len(index.digests))})
         if profile is None:
