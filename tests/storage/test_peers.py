@@ -224,3 +224,34 @@ def test_a_range_is_kept_only_if_its_chunks_match():
     assert not index.verified(1, data[1 : CHUNK_SIZE + 1])  # not whole chunks
     assert not index.verified(0, b"x" + data[1:])
     assert not index.verified(0, b"")
+
+
+async def test_in_a_cluster_the_peers_are_the_schedulers_other_live_nodes():
+    """`SchedulerPeers` against the scheduler's `GET /nodes` (a fake scheduler: only that route)."""
+    from aiohttp import web
+
+    from aenv.cluster.model import NodeCapacity, NodeInfo, NodeState
+    from aenv.storage.peers import SchedulerPeers
+
+    secret, asked = secrets.token_hex(8), []
+    capacity = NodeCapacity(memory_mib=1, vcpus=1, disk_free_mib=1)
+    nodes = [
+        NodeInfo(node_id=name, address=f"http://{name}:8000/", version="x", status=status, capacity=capacity)
+        for name, status in (("me", NodeState.UP), ("up", NodeState.UP), ("draining", NodeState.DRAINING),
+                             ("down", NodeState.DOWN))
+    ]  # fmt: skip
+
+    async def list_nodes(request: web.Request) -> web.Response:
+        asked.append(request.headers.get(CLUSTER_SECRET_HEADER))
+        return web.Response(text="[" + ",".join(n.model_dump_json() for n in nodes) + "]")
+
+    app = web.Application()
+    app.router.add_get("/nodes", list_nodes)
+    async with TestServer(app, host="127.0.0.1") as server:
+        url = str(server.make_url("/"))
+        peers = SchedulerPeers(url, "me", secret)
+        assert await asyncio.to_thread(peers.urls) == ["http://up:8000", "http://draining:8000"]
+        await asyncio.to_thread(peers.urls)  # within the ttl: not asked again
+    assert asked == [secret]
+    gone = SchedulerPeers(url, "me", secret, ttl=0)
+    assert await asyncio.to_thread(gone.urls) == []  # an unreachable scheduler: no peers for now
