@@ -149,6 +149,7 @@ class Node:
         blobs = BlobServer(self.storage.cache if settings.p2p else None)
         if self.storage.peers is not None:
             self.api.registry.register(self.storage.peers)
+            self.api.registry.register(blobs)
         self.runner = APIRunner(
             self.api.app(key, settings.cluster_secret, [blobs.route()]),
             access_log=None,

@@ -107,7 +107,8 @@ async def test_a_node_takes_a_blob_from_a_peer_not_the_store(make_node, s3_serve
     # Gone from the store: only node A can still give it.
     key = "aenv/blobs/sha256/" + manifest.memory_image.removeprefix("sha256:")
     s3_server.client().delete_object(Bucket=make_node.bucket, Key=key)
-    async with serving(BlobServer(a.cache)) as url_a:
+    served = BlobServer(a.cache)
+    async with serving(served) as url_a:
         b = make_node("node-b", peers=[url_a])
         path = await asyncio.to_thread(runtime(b).memory_image, manifest)
     assert path.read_bytes() == content
@@ -116,7 +117,12 @@ async def test_a_node_takes_a_blob_from_a_peer_not_the_store(make_node, s3_serve
     assert b.peers.bytes["peer"] == len(content)
     registry = CollectorRegistry()  # as `aenv server` shows them on /metrics
     registry.register(b.peers)
-    assert 'aenv_p2p_fetched_blobs_total{source="peer"} 1.0' in generate_latest(registry).decode()
+    registry.register(served)
+    metrics = generate_latest(registry).decode()
+    assert (
+        'aenv_p2p_fetched_blobs_total{source="peer"} 1.0' in metrics
+        and "aenv_p2p_served_total 1.0" in metrics
+    )
 
 
 async def test_corrupt_and_absent_peers_are_skipped_for_the_store(make_node, tmp_path: Path):

@@ -180,20 +180,22 @@ class PeerSource:
         lacking: set[str] = set()
 
         def fetch(offset: int, length: int) -> bytes:
-            whole_chunks = offset % index.chunk_size == 0
-            for url in [u for u in self.peers.urls() if u not in lacking] if whole_chunks else []:
+            urls = (
+                [u for u in self.peers.urls() if u not in lacking] if offset % index.chunk_size == 0 else []
+            )
+            for url in urls:
                 try:
                     data = self._range_from_peer(url + BLOB_PATH.format(hex=hex_digest), offset, length)
                 except _Absent:
                     lacking.add(url)
                     continue
                 except httpx.HTTPError as exc:
-                    data, problem = None, str(exc)
+                    problem = str(exc)
                 else:
-                    problem = "its bytes do not match the chunk index"
-                if data is not None and index.verified(offset, data):
-                    self._count_range("peer", len(data))
-                    return data
+                    if index.verified(offset, data):
+                        self._count_range("peer", len(data))
+                        return data
+                    problem = "its bytes do not match the blob's chunk index"
                 with self._lock:
                     self.rejected += 1
                 log.warning(
@@ -271,6 +273,12 @@ class BlobServer:
             raise web.HTTPNotFound(text=f"this node holds no whole copy of blob sha256:{hex_digest}")
         self.served += 1
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """A Prometheus counter (a collector for the node's registry)."""
+        yield CounterMetricFamily(
+            "aenv_p2p_served", "Blob requests this node answered for peers", self.served
+        )
 
     # No API key: peers do not have this node's. The cluster secret guards it when one is set.
     handle.presigned = True  # type: ignore[attr-defined]
