@@ -54,12 +54,13 @@ def make_node(s3_server: S3Server, tmp_path: Path):
         secret: str | None = None,
         p2p: bool = True,
         lazy: bool = False,
+        key: str = KEY,
     ) -> Storage:
         settings = Settings(
             home_path=tmp_path / name, repository=f"s3://{bucket}/aenv", s3_endpoint=s3_server.endpoint,
             s3_region=s3_server.region, s3_access_key=s3_server.access_key,
             s3_secret_key=s3_server.secret_key, lazy_loading=lazy, p2p=p2p and peers is not None,
-            p2p_peers=",".join(peers or ()), cluster_secret=secret,
+            p2p_peers=",".join(peers or ()), cluster_secret=secret, api_key=key,
         ).validate()  # fmt: skip
         storage = open_storage(settings, name)
         opened.append(storage)
@@ -141,7 +142,7 @@ async def test_corrupt_and_absent_peers_are_skipped_for_the_store(make_node, tmp
     ):
         b = make_node("node-b", peers=[url_other, url_off, url_a, "http://127.0.0.1:9"])
         path = await asyncio.to_thread(runtime(b).memory_image, manifest)
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers={"X-API-Key": KEY}) as client:
             absent = await client.get(f"{url_other}/p2p/blobs/{manifest.memory_image[7:]}")
             disabled = await client.get(f"{url_off}/p2p/blobs/{manifest.memory_image[7:]}")
             bad = await client.get(f"{url_other}/p2p/blobs/not-a-digest")
@@ -162,6 +163,19 @@ async def test_p2p_off_asks_no_peer(make_node):
         path = await asyncio.to_thread(runtime(b).memory_image, manifest)
     assert path.read_bytes() == content
     assert b.peers is None and blobs.served == 0
+
+
+async def test_without_a_cluster_secret_only_nodes_with_the_api_key_get_blobs(make_node):
+    a = make_node("node-a")
+    content = memory()
+    manifest = held_by(a, content)
+    async with serving(BlobServer(a.cache)) as url_a:
+        stranger = make_node("node-stranger", peers=[url_a], key="e2b_" + "5a" * 20)
+        assert (await asyncio.to_thread(runtime(stranger).memory_image, manifest)).read_bytes() == content
+        async with httpx.AsyncClient() as client:
+            refused = await client.get(f"{url_a}/p2p/blobs/{manifest.memory_image[7:]}")
+    assert refused.status_code == 401
+    assert stranger.peers is not None and stranger.peers.blobs == {"peer": 0, "store": 1}
 
 
 async def test_with_a_cluster_secret_only_its_holders_get_blobs(make_node):

@@ -127,7 +127,7 @@ def _peer_source(settings: Settings, repository: Repository, node: str) -> PeerS
         own = (settings.node_addr or f"http://{settings.api_addr}").rstrip("/")
         peers = StaticPeers(tuple(settings.peer_urls), own)
     log.info("peer-to-peer blob transport on: peers from %s", settings.scheduler_url or settings.p2p_peers)
-    return PeerSource(repository, peers, settings.cluster_secret)
+    return PeerSource(repository, peers, settings.cluster_secret, settings.api_key)
 
 
 def _lazy_mount(settings: Settings, cache: BlobCache, location: S3Location) -> LazyMount | None:

@@ -19,10 +19,10 @@ Decisions, and why:
   hold their blobs), asked at most every `PEERS_TTL` seconds; otherwise `AENV_P2P_PEERS`. The
   node itself is left out (by id and by address).
 - Plain HTTP on the API port, not a second listener or transport (the reference system uses
-  iroh): nodes already reach each other there, and the cluster secret guards it (a node in a
-  cluster takes no call without it, `aenv.cluster.auth`). Without a cluster secret the route needs
-  no API key (peers do not have this node's): whoever reaches the node and names a digest can
-  read that blob, so outside a trusted network set `AENV_CLUSTER_SECRET`.
+  iroh): nodes already reach each other there, and the route is guarded as every other one: by
+  the cluster secret in a cluster (a node there takes no call without it, `aenv.cluster.auth`),
+  else by the API key, which nodes listed in `AENV_P2P_PEERS` then share (`AENV_API_KEY`). A
+  peer that refuses (401) is skipped like any other failing one.
 - Whole blobs, and the prefetch of on-demand loading (the chunks a restore reads, fetched by the
   node before QEMU starts: `PeerSource.ranges`, each chunk checked against the blob's chunk
   index). What the FUSE server fetches later, as the guest touches it (`aenv.storage.lazyfs`,
@@ -76,10 +76,13 @@ class BlobSource(Protocol):
     def fetch_blob(self, digest: str, dest: Path) -> None: ...
 
 
-def _headers(secret: str | None) -> dict[str, str]:
+def _headers(secret: str | None, api_key: str | None = None) -> dict[str, str]:
+    """What a node presents to another: the cluster secret in a cluster, else the API key."""
     headers = {"User-Agent": f"aenv/{__version__}"}
     if secret:
         headers[CLUSTER_SECRET_HEADER] = secret
+    elif api_key:
+        headers["X-API-Key"] = api_key
     return headers
 
 
@@ -134,10 +137,12 @@ class PeerSource:
     Counts what came from where (`collect`: Prometheus counters).
     """
 
-    def __init__(self, store: BlobSource, peers: Peers, secret: str | None = None):
+    def __init__(
+        self, store: BlobSource, peers: Peers, secret: str | None = None, api_key: str | None = None
+    ):
         self.store = store
         self.peers = peers
-        self._client = httpx.Client(headers=_headers(secret), timeout=PEER_TIMEOUT)
+        self._client = httpx.Client(headers=_headers(secret, api_key), timeout=PEER_TIMEOUT)
         self._lock = threading.Lock()
         self.blobs = {"peer": 0, "store": 0}
         self.bytes = {"peer": 0, "store": 0}
@@ -279,6 +284,3 @@ class BlobServer:
         yield CounterMetricFamily(
             "aenv_p2p_served", "Blob requests this node answered for peers", self.served
         )
-
-    # No API key: peers do not have this node's. The cluster secret guards it when one is set.
-    handle.presigned = True  # type: ignore[attr-defined]
