@@ -84,6 +84,12 @@ class Settings:
     s3_secret_key: str | None = None
     cache_capacity_mib: int = 20480  # the runtime cache of an s3 repository (files QEMU opens)
     lazy_loading: bool = True  # an s3 repository's memory images load on demand (aenv.storage.lazyfs)
+    # Peer-to-peer blob transport (aenv.storage.peers), off by default: a node with an s3
+    # repository serves the blobs it holds whole to peers and asks peers before the store (every
+    # blob is verified against its digest). Peers: the nodes the scheduler lists (in a cluster),
+    # else p2p_peers, comma-separated base URLs (http://host:port).
+    p2p: bool = False
+    p2p_peers: str = ""
     lease_ttl: float = 600.0  # a node silent this long is dead to the others: its leases expire
     template_builds: int = 2  # user template builds running at once, each in its own VM
     # The cluster (aenv.cluster): a node joins when scheduler_url is set and advertises node_addr
@@ -110,6 +116,11 @@ class Settings:
     def port(self) -> int:
         return int(self.api_addr.rsplit(":", 1)[1])
 
+    @property
+    def peer_urls(self) -> list[str]:
+        """`p2p_peers` as base URLs without a trailing slash."""
+        return [peer.strip().rstrip("/") for peer in self.p2p_peers.split(",") if peer.strip()]
+
     def validate(self) -> Settings:
         problems = []
         if ":" not in self.api_addr or not self.api_addr.rsplit(":", 1)[1].isdigit():
@@ -125,6 +136,8 @@ class Settings:
                 problems.append("an s3 repository needs its region: set AENV_S3_REGION")
         elif "://" in self.repository:
             problems.append(f"repository must be a directory or s3://BUCKET/PREFIX, got {self.repository!r}")
+        if any(not peer.startswith(("http://", "https://")) for peer in self.peer_urls):
+            problems.append(f"p2p_peers must be comma-separated http(s) base URLs, got {self.p2p_peers!r}")
         positive = ("memory_mib", "default_timeout", "max_timeout", "max_fork_count", "cache_capacity_mib")
         for name in (*positive, "template_builds"):
             if getattr(self, name) < 1:

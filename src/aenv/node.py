@@ -37,6 +37,7 @@ from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound
 from .storage.open import Storage, open_storage
+from .storage.peers import BlobServer
 from .vmm import confine
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
@@ -144,8 +145,13 @@ class Node:
         self.orchestrator.on_stopped = self.api.proxy.release
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
+        # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.storage.peers.
+        blobs = BlobServer(self.storage.cache if settings.p2p else None)
+        if self.storage.peers is not None:
+            self.api.registry.register(self.storage.peers)
+            self.api.registry.register(blobs)
         self.runner = APIRunner(
-            self.api.app(key, settings.cluster_secret),
+            self.api.app(key, settings.cluster_secret, [blobs.route()]),
             access_log=None,
             handle_signals=False,
             auto_decompress=False,

@@ -80,3 +80,11 @@ def test_s3_urls_name_bucket_and_prefix():
     assert S3Location.from_url("s3://bucket").prefix == ""
     with pytest.raises(ValueError, match="s3://BUCKET"):
         S3Location.from_url("s3:///x")
+
+
+def test_p2p_is_off_by_default_and_its_peers_are_urls():
+    assert not load_settings({}).p2p
+    settings = load_settings({"AENV_P2P": "true", "AENV_P2P_PEERS": " http://10.0.0.6:8000/, https://b:1 ,"})
+    assert settings.p2p and settings.peer_urls == ["http://10.0.0.6:8000", "https://b:1"]
+    with pytest.raises(ConfigError, match="p2p_peers"):
+        load_settings({"AENV_P2P_PEERS": "10.0.0.6:8000"})

@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal, TypeVar, cast
@@ -50,6 +50,7 @@ from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Route = tuple[str, str, Handler]
 B = TypeVar("B", bound=BaseModel)
 MAX_BODY = 1 << 20
 MAX_UNIX_SECONDS = 1 << 40
@@ -290,11 +291,14 @@ class NodeAPI:
 
     # -- wiring ----------------------------------------------------------------------------
 
-    def app(self, api_key: str, cluster_secret: str | None = None) -> web.Application:
+    def app(
+        self, api_key: str, cluster_secret: str | None = None, internal: Iterable[Route] = ()
+    ) -> web.Application:
         """The API and proxy; with a `cluster_secret` (a node in a cluster) every request but the
         public ones must carry the secret instead of the API key (`aenv.cluster.auth`), and the
         internal route gateways call the node through is mounted (`aenv.cluster.wire`): never
-        without the secret, as it takes calls without the public API's validation."""
+        without the secret, as it takes calls without the public API's validation. `internal`:
+        node-to-node routes mounted outside the OpenAPI document (`aenv.storage.peers`)."""
         if cluster_secret:
             access = cluster_gate(cluster_secret, PUBLIC_PATHS, error_response)
             middlewares = [errors, access, self.proxy.middleware()]
@@ -303,12 +307,12 @@ class NodeAPI:
         app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
         app[LIMITS_KEY] = self.limits
         self.proxy.setup(app)
-        internal = [node_route(self.node)] if cluster_secret else []
-        for method, path, handler in [*self.routes(), *internal]:
+        gateway = [node_route(self.node)] if cluster_secret else []
+        for method, path, handler in [*self.routes(), *gateway, *internal]:
             app.router.add_route(method, path, handler)
         return app
 
-    def routes(self) -> list[tuple[str, str, Handler]]:
+    def routes(self) -> list[Route]:
         return [
             ("GET", "/health", self.health),
             ("GET", "/metrics", self.prometheus),

@@ -208,6 +208,26 @@ def check_fetched(path: Path, digest: str) -> None:
         raise DigestMismatch(f"blob {digest} is corrupt: its contents hash to {actual}")
 
 
+def write_fetched(dest: Path, chunks: Iterable[bytes], digest: str) -> None:
+    """Write a downloaded blob to the new file `dest`, zero chunks left as holes, and check it.
+
+    Whatever the source (the object store, a peer), `dest` is removed unless its bytes hash to
+    `digest`, so a caller keeps only verified blobs.
+    """
+    try:
+        with open(dest, "xb", buffering=0) as f:
+            pos = 0
+            for chunk in chunks:
+                if chunk != _ZERO_BYTES[: len(chunk)]:
+                    os.pwrite(f.fileno(), chunk, pos)
+                pos += len(chunk)
+            os.ftruncate(f.fileno(), pos)
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    check_fetched(dest, digest)
+
+
 def catalog(
     snapshot_ids: Iterable[str],
     load: Callable[[str], SnapshotManifest],

@@ -126,6 +126,16 @@ class BlobCache:
             entry = self._entries.get(key)
             return entry is not None and entry.lazy
 
+    def whole(self, key: str) -> Path | None:
+        """The file of a complete entry (a partial one holds only what was read: None), for
+        reading in place without counting a use: what a node serves its peers
+        (`aenv.storage.peers`). An entry evicted meanwhile leaves an open file readable."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.lazy or not self.path(key).exists():
+                return None
+            return self.path(key)
+
     def adopt(self, key: str, path: Path, owner: str | None = None) -> None:
         """Make an immutable local file an entry by hardlink (it was just stored from this node)."""
         with self._lock:

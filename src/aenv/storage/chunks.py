@@ -94,6 +94,24 @@ class ChunkIndex:
             return range(0)
         return range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1)
 
+    def matches(self, i: int, chunk: bytes) -> bool:
+        """Whether `chunk` holds exactly chunk `i`'s bytes."""
+        expected = self.digests[i]
+        return hashlib.sha256(chunk).hexdigest() == (expected or _zero_digest(len(chunk)))
+
+    def verified(self, offset: int, data: bytes) -> bool:
+        """Whether `data`, read at `offset`, is whole chunks that each match (so a range from an
+        untrusted source can be kept: `aenv.storage.peers`)."""
+        if offset % self.chunk_size or not data or offset + len(data) > self.size:
+            return False
+        end = offset + len(data)
+        if end != self.size and end % self.chunk_size:
+            return False
+        return all(
+            self.matches(i, data[self.span(i)[0] - offset : sum(self.span(i)) - offset])
+            for i in self.chunks_of(offset, len(data))
+        )
+
     def data_chunks(self) -> list[int]:
         return [i for i, d in enumerate(self.digests) if d is not None]
 
@@ -183,8 +201,7 @@ class ChunkFile:
         return data[offset - start : end - start]
 
     def _check(self, i: int, chunk: bytes) -> None:
-        expected = self.index.digests[i]
-        if hashlib.sha256(chunk).hexdigest() != (expected or _zero_digest(len(chunk))):
+        if not self.index.matches(i, chunk):
             offset, length = self.index.span(i)
             raise ChunkMismatch(f"chunk {i} (bytes {offset}..{offset + length}) is corrupt")
 

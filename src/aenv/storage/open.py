@@ -5,7 +5,8 @@ usable on a shared filesystem too) or `s3://BUCKET/PREFIX` (any S3-compatible st
 `AENV_S3_ENDPOINT` in `AENV_S3_REGION`). An s3 repository is read through a runtime cache in
 `<home>/cache` of `AENV_CACHE_CAPACITY_MIB`, its memory images loaded on demand through the
 node's FUSE server (`aenv.storage.lazyfs`) unless `AENV_LAZY_LOADING=false` or the host has no
-FUSE; a posix one is used in place.
+FUSE; a posix one is used in place. With `AENV_P2P=true` an s3 node's cache asks its peers
+for blobs before the store (`aenv.storage.peers`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .runtime import CachedRuntime
 
 if TYPE_CHECKING:
     from .lazyfs import LazyMount
+    from .peers import Peers, PeerSource
     from .s3 import S3Location
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,14 @@ class Storage:
     heartbeat: Heartbeat
     cache: BlobCache | None = None
     lazy: LazyMount | None = None  # outlives the node: stopped only by `LazyMount.stop` (tests)
+    peers: PeerSource | None = None  # blobs from peers first (`aenv.storage.peers`), if P2P is on
 
     def close(self) -> None:
         """Stop the heartbeat and the on-demand loading server: for a home whose VMs are all
         gone (a node's own stop leaves the server running for the VMs that outlive it)."""
         self.heartbeat.stop()
+        if self.peers is not None:
+            self.peers.close()
         if self.lazy is not None:
             self.lazy.stop()
 
@@ -96,18 +101,33 @@ def open_storage(settings: Settings, node: str) -> Storage:
         )
         cache = BlobCache(home / "cache", settings.cache_capacity_mib << 20, repository.local_leases)
         lazy = _lazy_mount(settings, cache, location)
+        peers = _peer_source(settings, repository, node) if settings.p2p else None
         runtime: RuntimeResolver | None = CachedRuntime(
-            repository, LayerStore(layers_dir(home)), home / "runtime", cache, lazy
+            repository, LayerStore(layers_dir(home)), home / "runtime", cache, lazy, peers
         )
         log.info("repository %s at %s, runtime cache %d MiB", settings.repository, location.endpoint,
                  settings.cache_capacity_mib)  # fmt: skip
     else:
         root = Path(settings.repository) if settings.repository else repository_dir(home)
         repository = SnapshotRepository(root, node=node, lease_ttl=settings.lease_ttl)
-        runtime, cache, lazy = None, None, None
+        runtime, cache, lazy, peers = None, None, None, None
     heartbeat = Heartbeat(repository, settings.lease_ttl / 4)
     heartbeat.start()
-    return Storage(repository, runtime, heartbeat, cache, lazy)
+    return Storage(repository, runtime, heartbeat, cache, lazy, peers)
+
+
+def _peer_source(settings: Settings, repository: Repository, node: str) -> PeerSource:
+    """Blobs from peers first: the scheduler's nodes in a cluster, else the `p2p_peers` list."""
+    from .peers import PeerSource, SchedulerPeers, StaticPeers
+
+    peers: Peers
+    if settings.scheduler_url:
+        peers = SchedulerPeers(settings.scheduler_url, node, settings.cluster_secret)
+    else:
+        own = (settings.node_addr or f"http://{settings.api_addr}").rstrip("/")
+        peers = StaticPeers(tuple(settings.peer_urls), own)
+    log.info("peer-to-peer blob transport on: peers from %s", settings.scheduler_url or settings.p2p_peers)
+    return PeerSource(repository, peers, settings.cluster_secret, settings.api_key)
 
 
 def _lazy_mount(settings: Settings, cache: BlobCache, location: S3Location) -> LazyMount | None:

@@ -24,7 +24,8 @@ bounded number of round trips. Deltas, device state and the upper disk layers (s
 rewritten or read whole) are fetched whole. Once a blob is partial on a node it stays served
 through the mount until it is evicted, so every sandbox from it maps the same file (one
 page-cache copy) and finds its mapping by that path. If the server is gone, blobs are fetched
-whole instead.
+whole instead. With peer-to-peer transport on (`aenv.storage.peers`), blobs fetched whole are
+asked of the node's peers first, and so are the chunks prefetched before an on-demand start.
 
 Both make one file per snapshot here: its restorable stream, spliced once from its vmstate
 prefix and device state and kept under the node's `runtime/` directory until the snapshot is gone.
@@ -33,6 +34,7 @@ prefix and device state and kept under the node's `runtime/` directory until the
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -47,12 +49,13 @@ from ..snapshot.manifest import DIGEST_RE, MachineShape, SnapshotManifest
 from ..snapshot.repository import SnapshotRepository
 from ..vmm.launcher import BootFiles
 from .cache import BlobCache, CacheStats
-from .chunks import ChunkFile, ChunkIndex, held_chunks
+from .chunks import ChunkFile, ChunkIndex, Fetch, held_chunks
 from .layers import LayerError, LayerStore
 from .protocols import Repository
 
 if TYPE_CHECKING:
     from .lazyfs import LazyMount
+    from .peers import BlobSource, PeerSource
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +144,13 @@ class CachedRuntime(LocalRuntime):
 
     def __init__(
         self, repository: Repository, layers: LayerStore, runtime_dir: Path, cache: BlobCache,
-        lazy: LazyMount | None = None,
+        lazy: LazyMount | None = None, peers: PeerSource | None = None,
     ) -> None:  # fmt: skip
         super().__init__(repository, layers, runtime_dir)  # type: ignore[arg-type]
         self._remote = repository
+        # Where blobs come from: the repository, or peers first (aenv.storage.peers).
+        self._peers = peers
+        self._source: BlobSource = peers if peers is not None else repository
         self.cache = cache
         self.lazy = lazy
         # Blobs started on demand whose restore profile is not recorded yet, by the snapshot
@@ -156,7 +162,7 @@ class CachedRuntime(LocalRuntime):
 
     def _blob(self, digest: str, owner: str | None = None) -> Path:
         def fetch(dest: Path) -> None:
-            self._remote.fetch_blob(digest, dest)
+            self._source.fetch_blob(digest, dest)
 
         return self.cache.get(digest.removeprefix("sha256:"), fetch, owner)
 
@@ -201,7 +207,10 @@ class CachedRuntime(LocalRuntime):
         if existed and not self.cache.is_partial(key):
             return False  # filled whole by another thread meanwhile
         self.lazy.publish(key, index)  # first: a concurrent start may hand the file to QEMU now
-        chunks = ChunkFile(path, index, lambda offset, length: reader.read_range(digest, offset, length))
+        fetch: Fetch = functools.partial(reader.read_range, digest)
+        if self._peers is not None:
+            fetch = self._peers.ranges(digest, index, fetch)
+        chunks = ChunkFile(path, index, fetch)
         profile = reader.profile(digest)
         chunks.prefetch({0, *(i for i in profile or () if 0 <= i < len(index.digests))})
         if profile is None:
@@ -261,7 +270,7 @@ class CachedRuntime(LocalRuntime):
 
     def _layer_filler(self, digest: str, below: Path | None) -> Callable[[Path], None]:
         def fill(dest: Path) -> None:
-            self._remote.fetch_blob(digest, dest)
+            self._source.fetch_blob(digest, dest)
             backing = ["-b", str(below), "-F", "qcow2"] if below is not None else ["-b", ""]
             done = subprocess.run(
                 ["qemu-img", "rebase", "-u", "-f", "qcow2", *backing, str(dest)], capture_output=True

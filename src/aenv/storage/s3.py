@@ -42,7 +42,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -77,9 +76,9 @@ from ..snapshot.repository import (
     catalog,
     check_alias,
     check_digest,
-    check_fetched,
     check_holder,
     file_digest,
+    write_fetched,
 )
 from .chunks import CHUNK_SIZE, ChunkIndex
 
@@ -300,19 +299,7 @@ class S3Repository:
 
     def fetch_blob(self, digest: str, dest: Path) -> None:
         """Download a blob to the new file ``dest``, writing no zero chunks (holes stay holes)."""
-        zeros = bytes(CHUNK)
-        try:
-            with open(dest, "xb", buffering=0) as f:
-                pos = 0
-                for chunk in self._stream(digest):
-                    if chunk != zeros[: len(chunk)]:
-                        os.pwrite(f.fileno(), chunk, pos)
-                    pos += len(chunk)
-                os.ftruncate(f.fileno(), pos)
-        except BaseException:
-            dest.unlink(missing_ok=True)
-            raise
-        check_fetched(dest, digest)
+        write_fetched(dest, self._stream(digest), digest)
 
     def _stream(self, digest: str) -> Iterator[bytes]:
         try:
