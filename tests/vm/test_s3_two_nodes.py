@@ -8,7 +8,8 @@ B starts a sandbox from that snapshot through the repository alone (its cache st
 finds both. Then two real `aenv server`s (DevNodes) share the bucket: a snapshot made on A
 creates on B with its memory image loaded on demand (B's QEMU maps the file of B's FUSE server,
 and only part of what B loads on demand was fetched when the sandbox answered), and a sandbox paused on A
-(through the E2B SDK) is taken over by B, and A no longer has it.
+(through the E2B SDK) is taken over by B, and A no longer has it. The DevNodes are each other's
+peer-to-peer blob source (`AENV_P2P`): B's fetches go through its peer-first source.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ import httpx
 import pytest
 
 from aenv.config import Settings
-from aenv.devnode import DevNode
+from aenv.devnode import DevNode, free_port
 from aenv.snapshot.engine import SnapshotEngine
 from aenv.storage.chunks import ChunkIndex
 from aenv.storage.open import open_storage
@@ -130,11 +132,15 @@ def test_snapshot_on_node_a_starts_on_node_b(two_nodes, shared_template, node_lo
 
 @pytest.fixture(scope="module")
 def dev_nodes(s3_server: S3Server, bucket: str, shared_template, tmp_path_factory) -> Iterator[list[DevNode]]:
-    """Two `aenv server`s on the bucket (no warm VMs, no parked processes: less to wait for)."""
-    settings = {**s3_settings(s3_server, bucket), "warm_pool_size": 0, "park_seconds": 0}
+    """Two `aenv server`s on the bucket (no warm VMs, no parked processes: less to wait for), each
+    the other's peer-to-peer blob source (one API key, which each presents to the other)."""
+    settings = {**s3_settings(s3_server, bucket), "warm_pool_size": 0, "park_seconds": 0, "p2p": "true"}
     home = tmp_path_factory.mktemp("dev-nodes")
-    nodes = [DevNode(home / name, slot_first=first, slot_count=64, **settings)
-             for name, first in zip(("a", "b"), SLOTS, strict=True)]  # fmt: skip
+    key, ports = "e2b_" + secrets.token_hex(20), (free_port(), free_port())
+    pairs = zip(("a", "b"), SLOTS, ports, ports[::-1], strict=True)
+    nodes = [DevNode(home / name, slot_first=first, slot_count=64, api_key=key, port=port,
+                     p2p_peers=f"http://127.0.0.1:{other}", **settings)
+             for name, first, port, other in pairs]  # fmt: skip
     try:
         for node in nodes:
             node.start()
@@ -213,6 +219,12 @@ def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):
     metrics = httpx.get(b.url + "/metrics").text  # B fetched the pause into its runtime cache
     assert re.search(r"^aenv_runtime_cache_misses [1-9]", metrics, re.M)
     assert re.search(r"^aenv_runtime_cache_capacity_bytes [1-9]", metrics, re.M)
+    # ... through its peer-first source (AENV_P2P): the pause's files node A holds whole (its
+    # memory delta and device state, say) came from A, the rest from the store.
+    sources = dict(re.findall(r'^aenv_p2p_fetched_blobs_total\{source="(peer|store)"\} (\S+)', metrics, re.M))
+    assert float(sources["peer"]) >= 1, sources
+    assert re.search(r"^aenv_p2p_served_total ", httpx.get(a.url + "/metrics").text, re.M)
+    print(f"\ntake-over on B, blobs by source: {sources}")
 
     # One hand-over only: a second take-over is refused, and node A no longer has the sandbox.
     again = httpx.post(b.url + detail + "/takeover", headers=headers_b, timeout=60)
