@@ -32,7 +32,6 @@ Decisions, and why:
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -48,6 +47,7 @@ from pydantic import TypeAdapter, ValidationError
 from .. import __version__
 from ..cluster.auth import CLUSTER_SECRET_HEADER
 from ..cluster.model import NodeInfo, NodeState
+from ..snapshot.manifest import DIGEST_RE
 from ..snapshot.repository import CHUNK, RepositoryError, check_digest, write_fetched
 from .cache import BlobCache
 from .chunks import ChunkIndex, Fetch
@@ -55,7 +55,6 @@ from .chunks import ChunkIndex, Fetch
 log = logging.getLogger(__name__)
 
 BLOB_PATH = "/p2p/blobs/{hex}"
-HEX_RE = re.compile(r"[0-9a-f]{64}")
 PEERS_TTL = 5.0  # seconds a scheduler's node list is used before it is asked again
 # A peer answers from its local disk: one that cannot connect in a second, or stalls for ten
 # seconds between reads, is skipped for the next source.
@@ -271,7 +270,7 @@ class BlobServer:
         if self.cache is None:
             raise web.HTTPNotFound(text="peer-to-peer blob transport is off on this node")
         hex_digest = request.match_info["hex"]
-        if not HEX_RE.fullmatch(hex_digest):
+        if not DIGEST_RE.fullmatch("sha256:" + hex_digest):
             raise web.HTTPBadRequest(text="a blob is named by the 64 lowercase hex digits of its sha256")
         path = self.cache.whole(hex_digest)
         if path is None:
