@@ -1,7 +1,7 @@
 """Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
-                    [--seed HOME]
+                    [--seed HOME] [--memory-merge]
 
 Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
 builds the `base` template, or takes the one of the node home given by --seed) unless AENV_URL
@@ -9,6 +9,7 @@ names one (with AENV_API_KEY); floors and host figures need the node's host and 
 median, p95, p99, min, max, n, the target, the floor measured in the same run, the ratio to it,
 and whether the target is met. Times are wall clock from the client's request to the node's
 answer, which for create, resume and fork comes only after the guest's envd answered `/init`.
+With --memory-merge the node merges equal pages across its QEMUs (bench/merging.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def main() -> int:
         "--seed", type=Path, metavar="HOME", help="start the node with the `base` template of this node home"
     )
     parser.add_argument("--soak-cycles", type=int, metavar="N", help="soak cycles (default: the mode's)")
+    parser.add_argument(
+        "--memory-merge", action="store_true",
+        help="the node merges equal pages across its QEMUs (AENV_MEMORY_MERGE), with KSM on for the run",
+    )  # fmt: skip
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -71,6 +76,7 @@ def main() -> int:
         profile_format=args.profile_format,
         seed=args.seed,
         soak_cycles=args.soak_cycles,
+        memory_merge=args.memory_merge,
     )
     try:
         return run(options)

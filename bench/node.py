@@ -56,6 +56,7 @@ class Node:
     pid: int | None = None
     warm_pool: int | None = None  # warm VMs per template the node keeps, when known
     park_seconds: float | None = None  # how long a paused sandbox keeps its process, when known
+    memory_merge: bool = False  # the node merges equal pages across its QEMUs (`--memory-merge`)
 
     @property
     def local(self) -> bool:
@@ -126,12 +127,13 @@ def remote_node() -> Node | None:
 class LocalNode:
     """The harness's own node in a temporary directory, removed afterwards; a context manager."""
 
-    def __init__(self, seed: Path | None = None) -> None:
+    def __init__(self, seed: Path | None = None, memory_merge: bool = False) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
+        self.memory_merge = memory_merge
         self.dev = DevNode(
             self.workdir / "home", slot_first=SLOT_FIRST, slot_count=SLOT_COUNT, seed=seed,
             log_path=self.workdir / "node.log", shutdown_action="kill", default_timeout=DEFAULT_TIMEOUT,
-            park_seconds=PARK_SECONDS,
+            park_seconds=PARK_SECONDS, memory_merge=memory_merge,
         )  # fmt: skip
 
     def __enter__(self) -> Node:
@@ -149,6 +151,7 @@ class LocalNode:
             pid=dev.pid,
             warm_pool=pool,
             park_seconds=PARK_SECONDS,
+            memory_merge=self.memory_merge,
         )
 
     def __exit__(self, *exc: object) -> None:

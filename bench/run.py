@@ -23,6 +23,7 @@ from . import cluster, dataplane, density, figures, loaded, soak, storage, templ
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
+from .merging import ksm_running
 from .node import LocalNode, Node, remote_node
 from .plan import MODES, Plan
 from .profile import FORMATS, recording
@@ -62,6 +63,7 @@ class Options:
     profile_format: str = "speedscope"
     seed: Path | None = None  # a node home whose `base` template the harness's node starts with
     soak_cycles: int | None = None  # instead of the mode's
+    memory_merge: bool = False  # the harness's node merges equal pages, with KSM on for the run
 
     @property
     def plan(self) -> Plan:
@@ -145,7 +147,11 @@ def run(options: Options) -> int:
     started = time.monotonic()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     remote = remote_node()
-    with LocalNode(options.seed) if remote is None else contextlib.nullcontext(remote) as node:
+    if remote is not None and options.memory_merge:
+        raise SystemExit("--memory-merge: only for the harness's own node (AENV_URL names another)")
+    merging = ksm_running() if options.memory_merge else contextlib.nullcontext()
+    harness = contextlib.nullcontext(remote) if remote else LocalNode(options.seed, options.memory_merge)
+    with merging, harness as node:
         if options.profile and node.pid is None:
             print("bench: --profile needs a node on this host; not profiling", file=sys.stderr)
         rows, errors, extra = asyncio.run(measure(node, options))
@@ -153,7 +159,7 @@ def run(options: Options) -> int:
         "mode": options.mode,
         "started_at": started_at,
         "duration_s": round(time.monotonic() - started, 1),
-        "node": {"url": node.url, "local": node.local},
+        "node": {"url": node.url, "local": node.local, "memory_merge": options.memory_merge},
         "host": {
             "cpus": os.cpu_count(),
             "kernel": platform.release(),

@@ -38,7 +38,7 @@ from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound
 from .storage.open import Storage, open_storage
 from .storage.peers import BlobServer
-from .vmm import confine
+from .vmm import confine, merge
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
 from .volumes.mounts import SandboxVolumes
@@ -109,6 +109,8 @@ class Node:
         # Storage first: its on-demand loading mounts under the home, inside the VMMs' root.
         self.storage = open_storage(settings, node_id(home))
         self._confine_vmms(home, artifacts)
+        if settings.memory_merge:
+            merge.enable()
         repository = self.storage.repository
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.

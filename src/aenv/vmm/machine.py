@@ -26,7 +26,7 @@ from typing import Any
 
 from qemu.qmp import QMPClient
 
-from . import confine
+from . import confine, merge
 from .accel import Accelerator
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,8 @@ def socket_path(directory: Path, name: str) -> Iterator[str]:
 
 def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memory: Path | None) -> int:
     """posix_spawn QEMU in a new session with only the descriptors and environment it needs,
-    and without transparent huge pages (`_without_huge_pages`).
+    without transparent huge pages (`_without_huge_pages`) and, with memory merging on, with a
+    fixed layout (`merge.fixed_layout`).
 
     `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`). The
     node opens QEMU's logs and binds its recovery socket, so QEMU never creates a file.
@@ -298,7 +299,7 @@ def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memo
             actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
         if memory is not None:
             actions.append((os.POSIX_SPAWN_OPEN, _MEMORY_FD, str(memory), os.O_RDWR | os.O_CREAT, 0o644))
-        with _without_huge_pages():
+        with _without_huge_pages(), merge.fixed_layout():
             return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
     finally:
         recovery.close()
