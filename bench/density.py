@@ -217,6 +217,8 @@ async def density(ctx: Context) -> list[Row]:
             f"; memory merged (KSM, settled {settle_s:.0f} s after the creates): {saved_mib:.0f} MiB saved"
         )
         cpu_note += f", with ksmd's share ({ksmd_cores:.2f} cores over the idle period) counted"
+    else:
+        usage_note += "; memory merging off (--memory-merge turns it on)"
     return [
         *rows,
         Row("density-overcommit", overcommit, note=usage_note),

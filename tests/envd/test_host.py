@@ -552,3 +552,18 @@ def test_the_nodes_metrics_history_is_answered_before_aiohttp(tmp_path):
         _assert_json_error(httpx.get(url), 401)
         _assert_json_error(httpx.get(url, headers={"X-Access-Token": "wrong"}), 401)
         _assert_json_error(httpx.get(url, params={"start": "x"}, headers=token), 400)
+
+
+def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
+    """A resume's /init repeats the sandbox's settings: the store is left as it is; a change is kept."""
+    store = tmp_path / "run" / "envd.json"
+    with run_envd(tmp_path / "envd", token="the-token", env_vars={"K": "v"}, state_file=store) as envd:
+        written = store.stat().st_mtime_ns
+        os.utime(store, ns=(written - 10**9, written - 10**9))
+        body = {"accessToken": "the-token", "envVars": {"K": "v"}, "timestamp": datetime.now(UTC).isoformat()}
+        headers = {"X-Access-Token": "the-token"}
+        assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
+        assert store.stat().st_mtime_ns == written - 10**9
+        body["envVars"] = {"K": "w"}
+        assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
+        assert json.loads(store.read_bytes())["env_vars"] == {"K": "w"}

@@ -7,6 +7,7 @@ defaults instead of coming back open to anyone and without the sandbox's variabl
 
 from __future__ import annotations
 
+import copy
 import hmac
 import json
 import logging
@@ -43,11 +44,15 @@ class State:
     env_vars: dict[str, str] = field(default_factory=dict)
     store: Path | None = None
 
+    def persisted(self) -> dict[str, object]:
+        """What `save` keeps, as a copy (so it can be compared with later)."""
+        return {name: copy.copy(getattr(self, name)) for name in PERSISTED}
+
     def save(self) -> None:
         """Write the `/init` settings to the store (atomically, readable by root only)."""
         if self.store is None:
             return
-        data = json.dumps({name: getattr(self, name) for name in PERSISTED}).encode()
+        data = json.dumps(self.persisted()).encode()
         tmp = self.store.with_name(self.store.name + ".tmp")
         try:
             self.store.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
