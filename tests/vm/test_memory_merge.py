@@ -1,8 +1,9 @@
 """Memory merging (`memory_merge`, aenv.vmm.merge) on a real node with KSM running.
 
 The node's QEMUs start mergeable and with a fixed layout. Two sandboxes that hold the same data
-get those pages merged, and a sandbox whose pages were merged pauses and resumes to exactly its
-state: a merged page is still a page the guest wrote, so the pause's delta keeps it.
+get those pages merged (the node's `/metrics` says how much that saves), and a sandbox whose
+pages were merged pauses and resumes to exactly its state: a merged page is still a page the
+guest wrote, so the pause's delta keeps it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from aenv.devnode import DevNode
@@ -81,6 +83,9 @@ def test_merged_pages_pause_and_resume_exactly(
         first.commands.run(f"echo {first.sandbox_id} > /dev/shm/own")
         # Half of the shared data merged in the first sandbox's QEMU.
         wait_for(lambda: int(_ksm_stat(pids[0])["ksm_merging_pages"]) >= (SAME_MIB << 8) // 2, timeout=120)
+        metrics = httpx.get(f"{node.url}/metrics", timeout=30).text.splitlines()
+        saved = next(line for line in metrics if line.startswith("aenv_memory_merge_saved_bytes "))
+        assert float(saved.split()[1]) >= (SAME_MIB << 20) // 4
         assert first.pause()
         resumed = Sandbox.connect(first.sandbox_id)
         expected = hashlib.sha256(random.Random(SEED).randbytes(SAME_MIB << 20)).hexdigest()

@@ -280,6 +280,11 @@ class NodeAPI:
         self._lost_gauge = Gauge(
             "aenv_sandboxes_lost", "Sandboxes whose VM process exited unexpectedly", registry=self.registry
         )
+        self._merged_gauge = Gauge(
+            "aenv_memory_merge_saved_bytes",
+            "Host RAM that memory merging (KSM, AENV_MEMORY_MERGE) saves in the sandboxes' QEMU processes",
+            registry=self.registry,
+        )
         self._gc_gauges = {
             name: Gauge(f"aenv_gc_{name}", help_text, registry=self.registry)
             for name, help_text in GC_METRICS.items()
@@ -399,6 +404,7 @@ class NodeAPI:
         self._creates_gauge.labels("failure").set(status.create_failures)
         self._parked_gauge.set(status.parked)
         self._lost_gauge.set(status.lost)
+        self._merged_gauge.set(status.merged_bytes)
         for name, gauge in self._gc_gauges.items():
             gauge.set(getattr(status.gc, name))
         for name, gauge in self._cache_gauges.items():

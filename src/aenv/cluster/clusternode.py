@@ -547,6 +547,7 @@ class ClusterNode:
             lost=sum(s.lost for s in statuses),
             parked=sum(s.parked for s in statuses),
             gc=gc,
+            merged_bytes=sum(s.merged_bytes for s in statuses),
         )
 
     # -- template builds -------------------------------------------------------------------------

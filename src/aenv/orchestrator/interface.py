@@ -106,6 +106,7 @@ class NodeStatus:
     parked: int  # paused sandboxes that keep their stopped QEMU process
     gc: GcTotals
     cache: CacheStats | None = None  # the runtime cache of a remote repository (None: posix)
+    merged_bytes: int = 0  # host RAM memory merging saves in the sandboxes' QEMUs (aenv.vmm.merge)
 
 
 class NodeService(Protocol):

@@ -22,6 +22,7 @@ from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
 from ..template.steps import BuildRequest, BuildStart
+from ..vmm import merge
 from .errors import Conflict, Forbidden, InvalidRequest, NotFound, SandboxError
 from .housekeeping import Housekeeper
 from .interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus, Route
@@ -276,6 +277,10 @@ class LocalNode:
     # -- node ------------------------------------------------------------------------------
 
     async def status(self) -> NodeStatus:
+        merged = 0
+        if merge.enabled():
+            pids = [s.vm.guest.vm.pid for s in self.orchestrator.sandboxes.values() if s.vm is not None]
+            merged = await asyncio.to_thread(merge.saved_bytes, pids)
         return NodeStatus(
             node_id=self.node_id,
             records=[s.record for s in self.orchestrator.sandboxes.values()],
@@ -285,6 +290,7 @@ class LocalNode:
             parked=len(self._engine.parked),
             gc=self.housekeeper.totals,
             cache=self._engine.runtime.cache_stats(),
+            merged_bytes=merged,
         )
 
     async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:

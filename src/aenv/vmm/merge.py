@@ -27,7 +27,7 @@ import contextlib
 import ctypes
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,24 @@ def enable() -> None:
             "memory_merge is on but KSM does not run on this host, so nothing is merged: "
             "echo 1 > %s (and set its scan rate, %s)", KSM / "run", KSM / "pages_to_scan",
         )  # fmt: skip
+
+
+def enabled() -> bool:
+    """Whether this process made its memory, and its VMMs', mergeable (`enable`)."""
+    return _enabled
+
+
+def saved_bytes(pids: Iterable[int]) -> int:
+    """Host RAM that merging saves in these processes now: the kernel's `ksm_process_profit`
+    (merged pages less KSM's own bookkeeping); a process that is gone counts 0."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/ksm_stat").read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "ksm_process_profit":
+                    total += int(value)
+    return total
 
 
 @contextlib.contextmanager
