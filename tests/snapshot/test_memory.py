@@ -5,7 +5,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from pathlib import Path
+
+import pytest
 
 from aenv.snapshot import memory
 from aenv.snapshot.repository import SnapshotRepository, file_digest
@@ -41,3 +44,17 @@ def test_capture_holds_exactly_the_written_pages_and_their_digest(tmp_path: Path
 
     repository = SnapshotRepository(tmp_path / "repository")
     assert repository.put_blob(info.path, digest=info.digest, move=True, verify=False) == info.digest
+
+
+def test_a_stopped_capture_raises_and_writes_no_more(tmp_path: Path) -> None:
+    image = tmp_path / "memory.img"
+    image.write_bytes(bytes(PAGES * memory.PAGE_SIZE))
+    source, start, end = private_mapping(image)
+    source[: memory.PAGE_SIZE] = b"x" * memory.PAGE_SIZE
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(memory.CaptureStopped):
+        memory.capture_delta(os.getpid(), start, end, tmp_path / "delta", stop=stop)
+    assert (tmp_path / "delta").stat().st_size == 2 * memory.PAGE_SIZE  # header and page index, no page
+    stop.clear()
+    assert memory.capture_delta(os.getpid(), start, end, tmp_path / "delta", stop=stop).pages == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from aenv.snapshot.parking import ParkedVM, ParkingLot, ParkingPolicy
 
@@ -17,7 +18,7 @@ def run_lot(policy: ParkingPolicy, scenario) -> list[str]:
         lot = ParkingLot(policy, release)
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
-        await scenario(lot, lambda name: lot.park(name, name, done))
+        await scenario(lot, lambda name: lot.park(name, name, done, threading.Event()))
         await lot.close()
 
     asyncio.run(main())

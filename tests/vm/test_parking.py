@@ -74,6 +74,32 @@ def test_released_process_resumes_from_disk(base_template, engine, parking, sand
     assert ask_keeper(resumed.sdk()) == (keeper_pid, mark)
 
 
+def test_a_resume_during_the_capture_stops_it_and_continues_exactly(
+    base_template, engine, parking, sandboxes
+):
+    """Resumed at once, a sandbox does not wait for its pause to reach the disk: the capture of
+    its 128 MiB of changed pages stops, its files go, and the guest goes on as it was; a later
+    pause is on disk as usual."""
+    sandbox = sandboxes.start(base_template.id)
+    sdk = sandbox.sdk()
+    sdk.commands.run("head -c 128M /dev/urandom > /dev/shm/big && sha256sum /dev/shm/big > /tmp/big.sum")
+    expected = sdk.commands.run("cat /tmp/big.sum").stdout
+    qemu_pid = sandbox.vm.vm.pid
+    sandboxes.pause(sandbox)
+    resumed = sandboxes.resume(sandbox.sandbox_id)
+    assert resumed.vm.vm.pid == qemu_pid
+    workdir = engine.workdir(sandbox.sandbox_id)
+    assert not list(workdir.glob("*.delta"))  # stopped, not written in full
+    assert resumed.sdk().commands.run("sha256sum /dev/shm/big").stdout == expected
+
+    parking.policy = ParkingPolicy(max_seconds=0.5, max_count=8)
+    sandboxes.pause(resumed)
+    wait_for(lambda: not alive(qemu_pid) and engine.load_state(sandbox.sandbox_id).pid is None, timeout=120)
+    assert len(list(workdir.glob("*.delta"))) == 1
+    again = sandboxes.resume(sandbox.sandbox_id)
+    assert again.sdk().commands.run("sha256sum /dev/shm/big").stdout == expected
+
+
 def test_count_limit_releases_the_oldest(base_template, engine, parking, sandboxes):
     parking.policy = ParkingPolicy(max_seconds=60, max_count=1)
     first, second = sandboxes.start(base_template.id), sandboxes.start(base_template.id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 from ..network.netns import SandboxNetwork
@@ -151,8 +152,15 @@ class Clones:
         return devices, delta
 
     async def capture_memory(
-        self, pid: int, manifest: SnapshotManifest, delta: Path, *, sync: bool = True
+        self,
+        pid: int,
+        manifest: SnapshotManifest,
+        delta: Path,
+        *,
+        sync: bool = True,
+        stop: threading.Event | None = None,
     ) -> memory.DeltaInfo:
-        """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer."""
+        """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer
+        (`memory.capture_delta`, which `stop` ends early)."""
         start, end = memory.find_mapping(pid, self.host.runtime.memory_image(manifest))
-        return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta, sync=sync)
+        return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta, sync=sync, stop=stop)

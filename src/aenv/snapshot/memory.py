@@ -16,6 +16,7 @@ import hashlib
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,10 @@ _HEADER_SIZE = 4096
 _PRESENT = np.uint64(1 << 63)
 _FILE_OR_SHARED = np.uint64(1 << 61)
 _MAX_RUN_BYTES = 8 << 20
+
+
+class CaptureStopped(Exception):
+    """A capture was told to stop before it ended (its guest runs again); its file is partial."""
 
 
 class DeltaFormatError(ValueError):
@@ -86,13 +91,17 @@ def _index_area(pages: int) -> int:
     return -(-pages * 8 // PAGE_SIZE) * PAGE_SIZE
 
 
-def capture_delta(pid: int, start: int, end: int, out: Path, *, sync: bool = True) -> DeltaInfo:
+def capture_delta(
+    pid: int, start: int, end: int, out: Path, *, sync: bool = True, stop: threading.Event | None = None
+) -> DeltaInfo:
     """Write the pages the guest changed into a delta layer file. QEMU must be stopped.
 
     The file is hashed as it is written: a pause stores it by digest, and reading hundreds
     of MiB back just to hash them would cost a third again of the capture. Without `sync` it is
     neither hashed nor flushed: the caller does both after the guest runs again (a snapshot
     committed in the background, `aenv.snapshot.pending`), and the digest is left empty.
+    `stop` is looked at before each run of pages and before the flush: once set, the capture
+    raises CaptureStopped, and the caller removes the partial file.
     """
     indices = dirty_pages(pid, start, end)
     memory_size = end - start
@@ -107,11 +116,18 @@ def capture_delta(pid: int, start: int, end: int, out: Path, *, sync: bool = Tru
         write(_header(int(indices.size), memory_size))
         write(indices.astype("<u8").tobytes().ljust(_index_area(int(indices.size)), b"\0"))
         for first, length in _runs(indices):
+            _check(stop)
             write(os.pread(mem.fileno(), length * PAGE_SIZE, start + first * PAGE_SIZE))
         f.flush()
         if sync:
+            _check(stop)
             os.fsync(f.fileno())
     return DeltaInfo(int(indices.size), memory_size, out, "sha256:" + digest.hexdigest() if sync else "")
+
+
+def _check(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise CaptureStopped("the capture was stopped")
 
 
 def read_delta_indices(path: Path) -> tuple[np.ndarray, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,10 +38,12 @@ class ParkingPolicy:
 
 @dataclass
 class ParkedVM:
-    """A paused sandbox with its stopped QEMU process; `capture` writes its changed pages."""
+    """A paused sandbox with its stopped QEMU process; `capture` writes its changed pages, and
+    setting `stop` ends it early (a resume that no longer needs the pause on disk)."""
 
     sandbox: SandboxVM
     capture: asyncio.Task[None]
+    stop: threading.Event
 
 
 def host_memory_available() -> float:
@@ -74,9 +77,11 @@ class ParkingLot:
     def accepts(self) -> bool:
         return self.policy.enabled and not self.closed
 
-    def park(self, sandbox_id: str, sandbox: SandboxVM, capture: asyncio.Task[None]) -> None:
+    def park(
+        self, sandbox_id: str, sandbox: SandboxVM, capture: asyncio.Task[None], stop: threading.Event
+    ) -> None:
         """Keep the sandbox's process; make room if the lot is over its count or memory bound."""
-        self._parked[sandbox_id] = ParkedVM(sandbox, capture)
+        self._parked[sandbox_id] = ParkedVM(sandbox, capture, stop)
         loop = asyncio.get_running_loop()
         self._timers[sandbox_id] = loop.call_later(self.policy.max_seconds, self._evict, sandbox_id)
         if self.closed:  # the pause began before the lot closed: no keeping it now

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..vmm import migration
+from . import memory
 from .clones import Clones
 from .host import Host
 from .manifest import SnapshotManifest
@@ -64,8 +66,11 @@ class Pauses:
             # the memory: a restarted node finds it through `pid` and captures it (`settle_paused`).
             state.delta = None
             state.save(workdir)
-            capture = asyncio.create_task(self._capture_parked(sandbox, workdir / f"{stem}.delta", previous))
-            self.lot.park(sandbox.sandbox_id, sandbox, capture)
+            stop = threading.Event()
+            capture = asyncio.create_task(
+                self._capture_parked(sandbox, workdir / f"{stem}.delta", previous, stop)
+            )
+            self.lot.park(sandbox.sandbox_id, sandbox, capture, stop)
             return state
         state.delta, state.pid = str(delta.path), None
         state.save(workdir)
@@ -99,14 +104,27 @@ class Pauses:
         """Make a paused sandbox's next resume boot from its disk (E2B's resume `memory: false`)."""
         parked = self.lot.take(sandbox_id)
         if parked is not None:
+            parked.stop.set()  # the memory it would save is dropped
             await parked.capture
             await self.end_process(parked.sandbox)
         self.forget_memory(self.host.load_state(sandbox_id))
 
-    async def _capture_parked(self, sandbox: SandboxVM, delta: Path, previous: list[str | None]) -> None:
-        """The changed pages of a parked sandbox, after its pause returned; never raises."""
+    async def _capture_parked(
+        self, sandbox: SandboxVM, delta: Path, previous: list[str | None], stop: threading.Event
+    ) -> None:
+        """The changed pages of a parked sandbox, after its pause returned; never raises.
+
+        A resume that comes first stops it (`stop`): the sandbox goes on from its live process,
+        so the pause need not reach the disk, and the resume need not wait for the pages to be
+        written and flushed. The files of the pause before it go then, as after a capture.
+        """
         try:
-            await self.clones.capture_memory(sandbox.vm.pid, sandbox.manifest, delta)
+            await self.clones.capture_memory(sandbox.vm.pid, sandbox.manifest, delta, stop=stop)
+        except memory.CaptureStopped:
+            delta.unlink(missing_ok=True)
+            _unlink(previous)
+            log.debug("saving the memory of paused sandbox %s stopped: it resumes", sandbox.sandbox_id)
+            return
         except Exception as exc:  # logged, and the process kept: the pause is not on disk yet
             delta.unlink(missing_ok=True)
             log.error("saving the memory of paused sandbox %s failed, its process is kept: %s",
@@ -123,11 +141,12 @@ class Pauses:
         await parked.capture
         if sandbox.state.delta is None:  # the capture failed: try again, and keep the process if it fails
             delta = self.host.workdir(sandbox.sandbox_id) / f"pause-{time.time_ns()}.delta"
-            retry = asyncio.create_task(self._capture_parked(sandbox, delta, []))
+            stop = threading.Event()
+            retry = asyncio.create_task(self._capture_parked(sandbox, delta, [], stop))
             await retry
             if sandbox.state.delta is None:
                 if not self.lot.closed:
-                    self.lot.park(sandbox.sandbox_id, sandbox, retry)
+                    self.lot.park(sandbox.sandbox_id, sandbox, retry, stop)
                 # else: left running; the next node start captures it (`settle_paused`)
                 return
         await self.end_process(sandbox)
@@ -139,8 +158,10 @@ class Pauses:
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
 
     async def resume_parked(self, parked: ParkedVM, init: GuestInit) -> SandboxVM:
-        """`cont` the kept process and `/init` the guest; the pause stays on disk for a retry."""
+        """`cont` the kept process and `/init` the guest, without waiting for its pause to reach
+        the disk; if that fails, the sandbox stays paused (from disk, or paused again)."""
         sandbox = parked.sandbox
+        parked.stop.set()  # the live process is the state now: its capture may end early
         await parked.capture  # the guest must not run while its pages are being read
         try:
             await sandbox.vm.command("cont")
