@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import Context, Sandboxes, bounded
-from .merging import ksmd_cpu_seconds, merged_mib, settle
+from .merging import ksmd_pid, merged_mib, settle
 from .node import BenchError
 from .report import Row
 from .stats import summarize
@@ -139,10 +139,11 @@ async def density(ctx: Context) -> list[Row]:
         pids = [all_pids[i] for i in ids if i in all_pids]
         merging = local and ctx.node.memory_merge
         settle_s = await settle() if merging else 0.0
-        cpu_before, ksmd_before = cpu_seconds(pids), ksmd_cpu_seconds()
+        ksmd = [pid] if merging and (pid := ksmd_pid()) is not None else []
+        cpu_before, ksmd_before = cpu_seconds(pids), cpu_seconds(ksmd)
         await asyncio.sleep(ctx.plan.density_idle_s)
         idle_cores = (cpu_seconds(pids) - cpu_before) / ctx.plan.density_idle_s
-        ksmd_cores = (ksmd_cpu_seconds() - ksmd_before) / ctx.plan.density_idle_s if merging else 0.0
+        ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.density_idle_s
         saved_mib = merged_mib() if merging else 0.0
 
         used = host_used_mib() - before if before is not None else None

@@ -279,8 +279,7 @@ class LocalNode:
     async def status(self) -> NodeStatus:
         merged = 0
         if merge.enabled():
-            pids = [s.vm.guest.vm.pid for s in self.orchestrator.sandboxes.values() if s.vm is not None]
-            merged = await asyncio.to_thread(merge.saved_bytes, pids)
+            merged = await asyncio.to_thread(merge.saved_bytes, self.orchestrator.vm_pids())
         return NodeStatus(
             node_id=self.node_id,
             records=[s.record for s in self.orchestrator.sandboxes.values()],

@@ -220,9 +220,13 @@ class Orchestrator:
             log.warning("ended the VMs of creates the previous node process did not finish: pids %s", killed)
         self._evictor = asyncio.create_task(self._evict_forever())
 
+    def vm_pids(self) -> set[int]:
+        """The QEMU processes of the sandboxes whose VM this node holds."""
+        return {s.vm.guest.vm.pid for s in self.sandboxes.values() if s.vm is not None}
+
     def _claimed_pids(self) -> set[int]:
         """The QEMU processes the recovered sandboxes own (running, or parked while paused)."""
-        claimed = {s.vm.guest.vm.pid for s in self.sandboxes.values() if s.vm is not None}
+        claimed = self.vm_pids()
         for sandbox_id in self.sandboxes:
             with contextlib.suppress(OSError, ValueError):
                 if (pid := self.engine.load_state(sandbox_id).pid) is not None:
