@@ -30,7 +30,7 @@ def _read(name: str) -> int:
 
 
 @contextlib.contextmanager
-def ksm_running() -> Iterator[None]:
+def ksm_scanning() -> Iterator[None]:
     """KSM on at the harness's scan rate for the block; the host's own settings restored after."""
     if os.geteuid() != 0 or not KSM.is_dir():
         raise SystemExit("--memory-merge needs root and a kernel with KSM (/sys/kernel/mm/ksm)")

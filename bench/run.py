@@ -23,7 +23,7 @@ from . import cluster, dataplane, density, figures, loaded, soak, storage, templ
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
-from .merging import ksm_running
+from .merging import ksm_scanning
 from .node import LocalNode, Node, remote_node
 from .plan import MODES, Plan
 from .profile import FORMATS, recording
@@ -149,7 +149,7 @@ def run(options: Options) -> int:
     remote = remote_node()
     if remote is not None and options.memory_merge:
         raise SystemExit("--memory-merge: only for the harness's own node (AENV_URL names another)")
-    merging = ksm_running() if options.memory_merge else contextlib.nullcontext()
+    merging = ksm_scanning() if options.memory_merge else contextlib.nullcontext()
     harness = contextlib.nullcontext(remote) if remote else LocalNode(options.seed, options.memory_merge)
     with merging, harness as node:
         if options.profile and node.pid is None:
