@@ -276,6 +276,6 @@ def main() -> None:
     with contextlib.suppress(KeyboardInterrupt):
         try:
             asyncio.run(serve(settings))
-        except SlotRangeBusy as exc:
+        except (SlotRangeBusy, merge.MergeError) as exc:
             log.error("not starting: %s", exc)
             raise SystemExit(1) from None
