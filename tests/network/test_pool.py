@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from aenv.network.egress import EgressPolicy
-from aenv.network.netns import SandboxNetwork, inside
+from aenv.network.egress import TAP_NAME, EgressPolicy
+from aenv.network.netns import GATEWAY_ADDRESS, GATEWAY_MAC, SandboxNetwork, inside
 from aenv.network.pool import NetworkPool, cleanup_stale
 from aenv.network.slots import Slot, SlotAllocator
 
@@ -56,6 +56,9 @@ async def test_pool_prepares_networks_and_hands_them_out(pool: NetworkPool):
     addresses = sh(f"ip -n {network.name} -br addr show dev veth0")
     assert network.slot.namespace_address in addresses
     assert network.slot.host_address in sh(f"ip -br addr show dev {network.slot.host_ifname}")
+    tap = sh(f"ip -n {network.name} -br link show dev {TAP_NAME}")  # made inside, never in the root
+    assert GATEWAY_MAC in tap and "UP" in tap and TAP_NAME not in root_links()
+    assert GATEWAY_ADDRESS in sh(f"ip -n {network.name} -br addr show dev {TAP_NAME}")
 
     strict = EgressPolicy(allow_internet=False, allow_out=["203.0.113.7"])
     other = await pool.acquire(strict)
@@ -70,7 +73,7 @@ async def test_pool_prepares_networks_and_hands_them_out(pool: NetworkPool):
     assert len(slots) == len(set(slots)) == 4
 
     pool.release(network)
-    other.destroy()  # what the engine does; the pool still gets the slot back
+    await other.aclose()  # what a VM's end does; the pool still gets the slot back
     assert network.name not in namespaces() and other.name not in namespaces()
     assert network.slot is None and not pool.leased
     assert not {f"aenv-v{index}" for index in slots[:2]} & root_links()

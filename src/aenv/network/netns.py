@@ -14,6 +14,7 @@ nft table inside the namespace (see `egress`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import fcntl
@@ -40,6 +41,7 @@ GATEWAY_MAC = "02:00:a9:fe:00:16"
 
 _CLONE_NEWNET = 0x40000000
 _TUNSETIFF = 0x400454CA
+_TUNSETPERSIST = 0x400454CB
 _IFF_TAP = 0x0002
 _IFF_NO_PI = 0x1000
 _IFF_VNET_HDR = 0x4000
@@ -74,6 +76,40 @@ def inside(name: str) -> Iterator[None]:
     finally:
         os.close(target)
         os.close(original)
+
+
+def _open_tap() -> int:
+    """The tap of this thread's namespace, opened (and made if it is missing)."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        request = struct.pack("16sH", TAP_NAME.encode(), _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)
+        fcntl.ioctl(fd, _TUNSETIFF, request)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_tap(name: str) -> None:
+    """Make namespace `name`'s tap, which outlives this call (persistent) until the namespace goes."""
+    with inside(name):
+        fd = _open_tap()
+    try:
+        fcntl.ioctl(fd, _TUNSETPERSIST, 1)
+    finally:
+        os.close(fd)
+
+
+def route_socket(name: str) -> AsyncIPRoute:
+    """A netlink route session in namespace `name`, for `async with`.
+
+    Its socket is made here, by this thread entering the namespace for the one call: pyroute2's
+    own `netns=` forks a helper process per session, and a node refills its network pool with
+    two such sessions per sandbox.
+    """
+    with inside(name):
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE)
+    return AsyncIPRoute(use_socket=sock)
 
 
 _MS_BIND = 4096
@@ -177,8 +213,8 @@ class SandboxNetwork:
         create_namespace(name)
         network = cls(name)
         try:
-            async with AsyncIPRoute(netns=name) as ipr:
-                await ipr.link("add", ifname=TAP_NAME, kind="tuntap", mode="tap")
+            make_tap(name)
+            async with route_socket(name) as ipr:
                 (tap,) = await ipr.link_lookup(ifname=TAP_NAME)
                 await ipr.link("set", index=tap, address=GATEWAY_MAC)
                 await ipr.addr("add", index=tap, address=GATEWAY_ADDRESS, prefixlen=PREFIX_LEN)
@@ -215,7 +251,7 @@ class SandboxNetwork:
                 await ipr.link("set", index=host, ifalias=self.name)
                 await ipr.addr("add", index=host, address=slot.host_address, prefixlen=SLOT_PREFIX_LEN)
                 await ipr.link("set", index=host, state="up")
-            async with AsyncIPRoute(netns=self.name) as ipr:
+            async with route_socket(self.name) as ipr:
                 (veth,) = await ipr.link_lookup(ifname=NAMESPACE_VETH)
                 await ipr.addr("add", index=veth, address=slot.namespace_address, prefixlen=SLOT_PREFIX_LEN)
                 await ipr.link("set", index=veth, state="up")
@@ -235,14 +271,7 @@ class SandboxNetwork:
     def open_tap(self) -> int:
         """Open the tap for QEMU (`-netdev tap,fd=N`), so QEMU itself needs no namespace."""
         with inside(self.name):
-            fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            request = struct.pack("16sH", TAP_NAME.encode(), _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)
-            fcntl.ioctl(fd, _TUNSETIFF, request)
-        except OSError:
-            os.close(fd)
-            raise
-        return fd
+            return _open_tap()
 
     def socket(self) -> socket.socket:
         """A non-blocking TCP socket that lives in the sandbox's namespace."""
@@ -259,9 +288,24 @@ class SandboxNetwork:
         the namespace, and with it the veth pair, alive after its name is removed.
         """
         slot, self.slot = self.slot, None
-        if slot is not None:
-            delete_link(slot.host_ifname)
-        with contextlib.suppress(FileNotFoundError):
-            netns.remove(self.name)
+        _remove(self.name, slot)
+        self._returned(slot)
+
+    async def aclose(self) -> None:
+        """`destroy`, with the kernel's part in a thread: deleting a veth pair waits for an RCU
+        grace period (~40 ms here), which would stall every other request of the event loop."""
+        slot, self.slot = self.slot, None
+        await asyncio.to_thread(_remove, self.name, slot)
+        self._returned(slot)
+
+    def _returned(self, slot: Slot | None) -> None:
         if slot is not None and self.on_destroy is not None:
             self.on_destroy(slot)
+
+
+def _remove(name: str, slot: Slot | None) -> None:
+    """Delete a namespace's uplink, then its name (which ends the namespace once nothing holds it)."""
+    if slot is not None:
+        delete_link(slot.host_ifname)
+    with contextlib.suppress(FileNotFoundError):
+        netns.remove(name)

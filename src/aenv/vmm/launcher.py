@@ -114,9 +114,9 @@ class GuestVM:
         """Kill QEMU, remove the namespace and (unless kept) the VM directory. Idempotent."""
         self.envd.close()
         await self.vm.kill()
-        self.network.destroy()
-        if not keep_files:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        await self.network.aclose()
+        if not keep_files:  # in a thread too: unlinking large memory files takes a while
+            await asyncio.to_thread(shutil.rmtree, self.workdir, ignore_errors=True)
 
 
 async def boot_guest(
