@@ -220,7 +220,7 @@ class Lifecycle:
             SandboxNetwork(state.network_name).destroy()
         # A paused sandbox has no network: the name it had may belong to another sandbox by now.
         host.layers.remove(state.disk_layers[-1])
-        shutil.rmtree(host.workdir(state.sandbox_id), ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, host.workdir(state.sandbox_id), ignore_errors=True)
         host.repository.release(state.snapshot_id, state.sandbox_id)
         await self.handover.retire(state, pause)
 

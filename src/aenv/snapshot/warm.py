@@ -8,6 +8,7 @@ stop cleanly leaves nothing behind: the next one ends it (`aenv.snapshot.recover
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import shutil
@@ -103,9 +104,9 @@ class WarmVMs:
         """End a warm VM and free everything it owns."""
         warm.envd.close()
         await warm.vm.kill()
-        warm.network.destroy()
+        await warm.network.aclose()
         self.host.layers.remove(warm.top_layer)
-        shutil.rmtree(warm.workdir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, warm.workdir, ignore_errors=True)
         self.host.repository.release(warm.snapshot_id, warm.entry_id)
 
     async def claim(
