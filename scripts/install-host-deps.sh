@@ -17,10 +17,11 @@ MIN_QEMU_MAJOR=10
 QEMU_PACKAGES=(qemu-system-x86 qemu-utils)
 # Guest artifacts: kernel + modules, initramfs (busybox, cpio, kmod's modprobe), rootfs
 # (mmdebstrap, e2fsprogs' mkfs.ext4), kernel payloads and modules that may be zstd.
-# Host runtime: iproute2 and nftables for sandbox networks, python3-venv for the project.
+# Host runtime: iproute2 and nftables for sandbox networks (the node loads rules through
+# libnftables1 in its own process), python3-venv for the project.
 PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
-    cpio e2fsprogs zstd iproute2 nftables util-linux python3-venv
+    cpio e2fsprogs zstd iproute2 nftables libnftables1 util-linux python3-venv
 )
 # Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server).
 PACKAGES+=(diod)

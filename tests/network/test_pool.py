@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from aenv.network.egress import TAP_NAME, EgressPolicy
+from aenv.network.egress import TAP_NAME, EgressPolicy, NetworkError, policy_update, run_nft
 from aenv.network.netns import GATEWAY_ADDRESS, GATEWAY_MAC, SandboxNetwork, inside
 from aenv.network.pool import NetworkPool, cleanup_stale
 from aenv.network.slots import Slot, SlotAllocator
@@ -29,6 +29,13 @@ def leftovers(prefix: str) -> set[str]:
             if alias.startswith(prefix):
                 found.add(link)
     return found
+
+
+def egress_rules(name: str) -> list[str]:
+    listed = sh(f"ip netns exec {name} nft list chain inet aenv egress")
+    lines = [line.strip() for line in listed.splitlines()]
+    start = lines.index("chain egress {")
+    return lines[start + 1 : lines.index("}", start)]
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -81,11 +88,26 @@ async def test_pool_prepares_networks_and_hands_them_out(pool: NetworkPool):
 
 async def test_policy_is_replaced_atomically_on_a_live_network(pool: NetworkPool):
     network = await pool.acquire()
-    await network.apply_policy(EgressPolicy(deny_out=["203.0.113.0/24"]))
+    await network.apply_policy(EgressPolicy(allow_internet=False, deny_out=["203.0.113.0/24"]))
     assert "203.0.113.0/24" in sh(f"ip netns exec {network.name} nft list set inet aenv deny_out")
+    assert egress_rules(network.name)[-1].startswith("reject")
     await network.apply_policy(EgressPolicy())
     assert "elements" not in sh(f"ip netns exec {network.name} nft list set inet aenv deny_out")
+    assert egress_rules(network.name) == [  # swapped, not appended
+        "ip daddr @always_denied reject with icmpx admin-prohibited",
+        "ip daddr @allow_out accept",
+        "ip daddr @deny_out reject with icmpx admin-prohibited",
+        "accept",
+    ]
     assert sh(f"ip netns exec {network.name} nft list tables").split().count("aenv") == 1
+
+
+async def test_a_refused_script_raises_with_nft_s_message_and_changes_nothing(pool: NetworkPool):
+    network = await pool.acquire()
+    refused = policy_update(EgressPolicy(allow_internet=False)) + "add rule inet aenv egress bogus\n"
+    with pytest.raises(NetworkError, match="syntax error"):
+        await run_nft(refused, network.name)  # all of it or nothing: its reject is not applied either
+    assert egress_rules(network.name)[-1] == "accept"
 
 
 async def test_a_network_made_elsewhere_gets_a_slot(pool: NetworkPool):

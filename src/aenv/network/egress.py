@@ -17,7 +17,6 @@ Rules are replaced by one `nft -f` transaction, so there is never a moment witho
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -25,11 +24,14 @@ from dataclasses import dataclass, field
 
 from pyroute2 import AsyncIPRoute
 
+from . import nftables
+from .nftables import NftError
 from .slots import HOST_VETH_PREFIX, NAMESPACE_VETH, SLOT_BLOCK
 
 VOLUME_PORT = 564  # the sandbox's volume server (aenv.volumes.server), at the namespace's tap address
 
 TABLE = "aenv"
+REJECT = "reject with icmpx type admin-prohibited"
 TAP_NAME = "tap0"
 
 # Never reachable from a guest, whatever its policy says (the slot block keeps sandboxes
@@ -127,39 +129,71 @@ def _replace_table(body: list[str]) -> str:
     return "\n".join([*head, *body, "}", ""])
 
 
-def namespace_ruleset(policy: EgressPolicy, host_addresses: Iterable[str] = ()) -> str:
-    """The nft script for a sandbox namespace under `policy`."""
+def _sets(policy: EgressPolicy, host_addresses: Iterable[str]) -> list[tuple[str, list[str]]]:
     denied = [str(n) for n in ALWAYS_DENIED] + _ipv4(str(ipaddress.ip_network(a)) for a in host_addresses)
-    reject = "reject with icmpx type admin-prohibited"
-    base = "accept" if policy.allow_internet else reject
-    return _replace_table(
-        [
-            _set("always_denied", denied),
-            _set("allow_out", _ipv4(policy.allow_out)),
-            _set("deny_out", _ipv4(policy.deny_out)),
-            "    chain input {",
-            "        type filter hook input priority filter; policy accept;",
-            f'        iifname "{TAP_NAME}" ct state established,related accept',
-            f'        iifname "{TAP_NAME}" tcp dport {VOLUME_PORT} accept',
-            f'        iifname "{TAP_NAME}" drop',
-            "    }",
-            "    chain forward {",
-            "        type filter hook forward priority filter; policy drop;",
-            f'        iifname "{TAP_NAME}" oifname "{NAMESPACE_VETH}" meta nfproto ipv4 goto egress',
-            f'        iifname "{NAMESPACE_VETH}" oifname "{TAP_NAME}" ct state established,related accept',
-            "    }",
-            "    chain egress {",
-            f"        ip daddr @always_denied {reject}",
-            "        ip daddr @allow_out accept",
-            f"        ip daddr @deny_out {reject}",
-            f"        {base}",
-            "    }",
-            "    chain postrouting {",
-            "        type nat hook postrouting priority srcnat; policy accept;",
-            f'        oifname "{NAMESPACE_VETH}" masquerade',
-            "    }",
-        ]
-    )
+    return [
+        ("always_denied", denied),
+        ("allow_out", _ipv4(policy.allow_out)),
+        ("deny_out", _ipv4(policy.deny_out)),
+    ]
+
+
+def _egress_rules(policy: EgressPolicy) -> list[str]:
+    return [
+        f"ip daddr @always_denied {REJECT}",
+        "ip daddr @allow_out accept",
+        f"ip daddr @deny_out {REJECT}",
+        "accept" if policy.allow_internet else REJECT,
+    ]
+
+
+def namespace_ruleset(
+    policy: EgressPolicy, host_addresses: Iterable[str] = (), *, fresh: bool = False
+) -> str:
+    """The nft script for a sandbox namespace under `policy`.
+
+    `fresh`: the namespace has no table yet, so the script only declares it. Otherwise it
+    swaps the whole table, for a namespace whose table is unknown; the kernel then waits for
+    an RCU grace period (~15 ms) as the old table's hooked chains go (`policy_update` does not).
+    """
+    body = [
+        *(_set(name, elements) for name, elements in _sets(policy, host_addresses)),
+        "    chain input {",
+        "        type filter hook input priority filter; policy accept;",
+        f'        iifname "{TAP_NAME}" ct state established,related accept',
+        f'        iifname "{TAP_NAME}" tcp dport {VOLUME_PORT} accept',
+        f'        iifname "{TAP_NAME}" drop',
+        "    }",
+        "    chain forward {",
+        "        type filter hook forward priority filter; policy drop;",
+        f'        iifname "{TAP_NAME}" oifname "{NAMESPACE_VETH}" meta nfproto ipv4 goto egress',
+        f'        iifname "{NAMESPACE_VETH}" oifname "{TAP_NAME}" ct state established,related accept',
+        "    }",
+        "    chain egress {",
+        *(f"        {rule}" for rule in _egress_rules(policy)),
+        "    }",
+        "    chain postrouting {",
+        "        type nat hook postrouting priority srcnat; policy accept;",
+        f'        oifname "{NAMESPACE_VETH}" masquerade',
+        "    }",
+    ]
+    if fresh:
+        return "\n".join([f"table inet {TABLE} {{", *body, "}", ""])
+    return _replace_table(body)
+
+
+def policy_update(policy: EgressPolicy, host_addresses: Iterable[str] = ()) -> str:
+    """The script that gives a namespace holding `namespace_ruleset`'s table `policy` in place:
+    the sets' elements and the egress chain's rules swapped in one transaction, the chains with
+    hooks untouched (so there is never a moment without rules, and no grace period to wait for)."""
+    lines = []
+    for name, elements in _sets(policy, host_addresses):
+        lines.append(f"flush set inet {TABLE} {name}")
+        if elements:
+            lines.append(f"add element inet {TABLE} {name} {{ {', '.join(elements)} }}")
+    lines.append(f"flush chain inet {TABLE} egress")
+    lines += [f"add rule inet {TABLE} egress {rule}" for rule in _egress_rules(policy)]
+    return "\n".join([*lines, ""])
 
 
 def host_ruleset() -> str:
@@ -187,17 +221,12 @@ def host_ruleset() -> str:
 
 
 async def run_nft(script: str, netns: str | None = None) -> None:
-    """Load an nft script, inside namespace `netns` when given (entered by nsenter)."""
-    argv = ["nft", "-f", "-"]
-    if netns is not None:
-        argv = ["nsenter", f"--net=/run/netns/{netns}", *argv]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    _, stderr = await proc.communicate(script.encode())
-    if proc.returncode != 0:
+    """Load an nft script as one transaction, inside namespace `netns` when given."""
+    try:
+        await nftables.load(script, netns)
+    except (NftError, OSError) as exc:
         where = f"namespace {netns}" if netns else "root namespace"
-        raise NetworkError(f"nft failed in {where}: {stderr.decode().strip()}")
+        raise NetworkError(f"nft failed in {where}: {exc}") from exc
 
 
 async def host_addresses() -> list[str]:

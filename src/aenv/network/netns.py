@@ -23,12 +23,21 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pyroute2 import AsyncIPRoute, netns
 
-from .egress import TAP_NAME, EgressPolicy, enable_forwarding, host_addresses, namespace_ruleset, run_nft
+from .egress import (
+    TAP_NAME,
+    EgressPolicy,
+    enable_forwarding,
+    host_addresses,
+    namespace_ruleset,
+    policy_update,
+    run_nft,
+)
+from .nsthread import CLONE_NEWNET, inside, libc
 from .slots import NAMESPACE_VETH, SLOT_PREFIX_LEN, Slot
 
 log = logging.getLogger(__name__)
@@ -39,7 +48,6 @@ PREFIX_LEN = 30
 # Every tap has the same MAC: a restored guest keeps the gateway's MAC in its ARP cache.
 GATEWAY_MAC = "02:00:a9:fe:00:16"
 
-_CLONE_NEWNET = 0x40000000
 _TUNSETIFF = 0x400454CA
 _TUNSETPERSIST = 0x400454CB
 _IFF_TAP = 0x0002
@@ -49,33 +57,6 @@ _IFF_VNET_HDR = 0x4000
 _RTM_DELLINK = 17
 _NLM_F_REQUEST_ACK = 0x1 | 0x4
 _NLMSG_ERROR = 2
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-@contextlib.contextmanager
-def inside(name: str) -> Iterator[None]:
-    """Run the body with this thread in namespace `name`, then return to the original one.
-
-    setns(2) changes only the calling thread, so other threads are unaffected.
-    """
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        _setns(target)
-        try:
-            yield
-        finally:
-            _setns(original)
-    finally:
-        os.close(target)
-        os.close(original)
 
 
 def _open_tap() -> int:
@@ -119,7 +100,7 @@ NETNS_DIR = "/run/netns"
 
 
 def _mount(source: str, target: str, flags: int) -> None:
-    if _libc.mount(source.encode(), target.encode(), b"none", flags, None) != 0:
+    if libc.mount(source.encode(), target.encode(), b"none", flags, None) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
@@ -130,12 +111,12 @@ def _make_namespace(name: str, errors: list[BaseException]) -> None:
         os.makedirs(NETNS_DIR, exist_ok=True)
         # As iproute2 does: make the directory a shared mount point, binding it onto itself
         # only if it is not a mount point yet (the first attempt fails with EINVAL then).
-        if _libc.mount(b"", NETNS_DIR.encode(), b"none", _MS_SHARED | _MS_REC, None) != 0:
+        if libc.mount(b"", NETNS_DIR.encode(), b"none", _MS_SHARED | _MS_REC, None) != 0:
             _mount(NETNS_DIR, NETNS_DIR, _MS_BIND | _MS_REC)
             _mount("", NETNS_DIR, _MS_SHARED | _MS_REC)
         path = f"{NETNS_DIR}/{name}"
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
-        if _libc.unshare(_CLONE_NEWNET) != 0:
+        if libc.unshare(CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
             os.unlink(path)
             raise OSError(err, f"unshare: {os.strerror(err)}")
@@ -199,6 +180,7 @@ class SandboxNetwork:
     slot: Slot | None = None
     policy: EgressPolicy | None = None
     on_destroy: Callable[[Slot], None] | None = field(default=None, repr=False, compare=False)
+    fresh: bool = field(default=False, repr=False, compare=False)  # made here: no rules loaded yet
 
     @classmethod
     async def create(
@@ -211,7 +193,7 @@ class SandboxNetwork:
         default applies: internet allowed.
         """
         create_namespace(name)
-        network = cls(name)
+        network = cls(name, fresh=True)
         try:
             make_tap(name)
             async with route_socket(name) as ipr:
@@ -264,9 +246,19 @@ class SandboxNetwork:
         self.slot = slot
 
     async def apply_policy(self, policy: EgressPolicy) -> None:
-        """Replace the namespace's egress rules by `policy` in one transaction."""
-        await run_nft(namespace_ruleset(policy, await host_addresses()), netns=self.name)
-        self.policy = policy
+        """Replace the namespace's egress rules by `policy` in one transaction.
+
+        The rules this object loaded are changed in place (`policy_update`); a namespace it made
+        gets its table declared; only one whose table is unknown (adopted after a restart, or
+        made by `create` without rules) has the table swapped whole, which is slower.
+        """
+        hosts = await host_addresses()
+        if self.policy is not None:
+            script = policy_update(policy, hosts)
+        else:
+            script = namespace_ruleset(policy, hosts, fresh=self.fresh)
+        await run_nft(script, netns=self.name)
+        self.policy, self.fresh = policy, False
 
     def open_tap(self) -> int:
         """Open the tap for QEMU (`-netdev tap,fd=N`), so QEMU itself needs no namespace."""
