@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aenv.orchestrator.metrics import KEPT_SAMPLES, MetricsArchive, between, merge, sandbox_metric
+from aenv.agent.envd.metrics import INTERVAL_SECONDS
+from aenv.orchestrator.metrics import (
+    CLOCK_MARGIN,
+    KEPT_SAMPLES,
+    MetricsArchive,
+    between,
+    merge,
+    sample_due,
+    sandbox_metric,
+)
 
 
 def _sample(ts: int, cpu: float = 1.0) -> dict:
@@ -41,3 +50,13 @@ def test_archive_adds_and_survives_damage(tmp_path: Path) -> None:
     assert [s["ts"] for s in archive.load()] == [1, 2, 3] and archive.newest() == 3
     archive.path.write_text("{not json")
     assert archive.load() == []
+
+
+def test_a_sample_is_due_once_the_guest_may_have_run_an_interval_since_the_newest() -> None:
+    assert sample_due(None, 0.0)  # nothing saved yet: whatever the guest holds is new
+    newest = 1_000
+    assert not sample_due(newest, newest + 0.5)
+    assert not sample_due(newest, newest + INTERVAL_SECONDS - CLOCK_MARGIN - 0.5)
+    # The guest's clock may be a little ahead of the host's: due that much before the interval ends.
+    assert sample_due(newest, newest + INTERVAL_SECONDS - CLOCK_MARGIN)
+    assert sample_due(newest, newest + 3600)

@@ -16,10 +16,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..agent.envd.metrics import INTERVAL_SECONDS
 from ..clock import rfc3339
 
 KEPT_SAMPLES = 720  # as many as envd keeps: an hour at its 5 s interval
 ARCHIVE_FILE = "metrics.json"
+CLOCK_MARGIN = 1.0  # seconds the guest's clock may be ahead of the host's (set by each `/init`)
+
+
+def sample_due(newest: int | None, now: float) -> bool:
+    """Whether a guest may hold a sample newer than `newest` (its newest one the node has).
+
+    envd takes a sample every `INTERVAL_SECONDS` of its guest's running time, and a guest does
+    not run while paused, so the next one comes no sooner than `newest + INTERVAL_SECONDS` by the
+    host's clock (sample times are whole seconds, rounded down, which only makes that earlier).
+    Until then a pause has nothing to save: pausing again soon after a resume, as a parked agent
+    does, costs no request to the guest.
+    """
+    return newest is None or now >= newest + INTERVAL_SECONDS - CLOCK_MARGIN
 
 
 def merge(*batches: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ from ..vmm.envd_link import EnvdUnavailable
 from .admission import Admission, meminfo_mib
 from .errors import NOT_SHARED, Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
 from .interface import CreateRequest
-from .metrics import MetricsArchive, between, merge, sandbox_metric
+from .metrics import MetricsArchive, between, merge, sample_due, sandbox_metric
 from .states import Op, State, Transition, transition
 from .store import SandboxRecord, SandboxStore
 
@@ -848,6 +848,8 @@ class Orchestrator:
         for a resume that boots a new guest (a filesystem-only pause)."""
         archive = self._archive(sandbox)
         newest = archive.newest()
+        if not sample_due(newest, time.time()):
+            return
         samples = await self._live_samples(sandbox, None if newest is None else newest + 1)
         if samples:
             with contextlib.suppress(OSError):
