@@ -9,9 +9,9 @@ from aenv.orchestrator.metrics import (
     CLOCK_MARGIN,
     KEPT_SAMPLES,
     MetricsArchive,
+    SampleWatch,
     between,
     merge,
-    sample_due,
     sandbox_metric,
 )
 
@@ -52,11 +52,28 @@ def test_archive_adds_and_survives_damage(tmp_path: Path) -> None:
     assert archive.load() == []
 
 
-def test_a_sample_is_due_once_the_guest_may_have_run_an_interval_since_the_newest() -> None:
-    assert sample_due(None, 0.0)  # nothing saved yet: whatever the guest holds is new
-    newest = 1_000
-    assert not sample_due(newest, newest + 0.5)
-    assert not sample_due(newest, newest + INTERVAL_SECONDS - CLOCK_MARGIN - 0.5)
-    # The guest's clock may be a little ahead of the host's: due that much before the interval ends.
-    assert sample_due(newest, newest + INTERVAL_SECONDS - CLOCK_MARGIN)
-    assert sample_due(newest, newest + 3600)
+def test_a_pause_asks_the_guest_only_once_it_may_have_run_an_interval_since_its_newest_sample() -> None:
+    watch = SampleWatch()
+    watch.running(0.0)
+    assert watch.due(1.0)  # nothing saved yet
+    watch.saved(newest=1_000, previous=None, wall=1_001.0)  # first request: the host's clock bounds
+    quiet = INTERVAL_SECONDS - CLOCK_MARGIN - 1.0
+    watch.stopped(1.0)
+    watch.running(10.0)  # paused meanwhile: that does not count
+    watch.running(10.5)  # a later start (a resume's end) changes nothing
+    assert not watch.due(10.0 + quiet - 0.1)
+    assert watch.due(10.0 + quiet + 0.1)
+
+    # A sample newer than the last request came after it: the running time since bounds it
+    # (3.1 s here, where the host's clock says 11 s).
+    watch.saved(newest=1_020, previous=1_000, wall=1_030.0)
+    watch.stopped(13.2)
+    watch.running(100.0)
+    assert not watch.due(100.0 + INTERVAL_SECONDS - 3.1 - 0.1 - 0.1)
+    assert watch.due(100.0 + INTERVAL_SECONDS - 3.1 - 0.1 + 0.1)
+    watch.saved(newest=1_020, previous=1_020, wall=1_200.0)  # nothing new: due until something is
+    assert watch.due(100.0 + INTERVAL_SECONDS)
+
+    watch.saved(newest=1_300, previous=1_020, wall=1_300.5)
+    watch.reset()  # a guest booted afresh from its disk samples from its start
+    assert watch.due(200.0)

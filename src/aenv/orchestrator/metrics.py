@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,59 @@ ARCHIVE_FILE = "metrics.json"
 CLOCK_MARGIN = 1.0  # seconds the guest's clock may be ahead of the host's (set by each `/init`)
 
 
-def sample_due(newest: int | None, now: float) -> bool:
-    """Whether a guest may hold a sample newer than `newest` (its newest one the node has).
+@dataclass
+class SampleWatch:
+    """Whether a sandbox's guest may hold a metrics sample the node has not saved yet.
 
     envd takes a sample every `INTERVAL_SECONDS` of its guest's running time, and a guest does
-    not run while paused, so the next one comes no sooner than `newest + INTERVAL_SECONDS` by the
-    host's clock (sample times are whole seconds, rounded down, which only makes that earlier).
-    Until then a pause has nothing to save: pausing again soon after a resume, as a parked agent
-    does, costs no request to the guest.
+    not run while paused. So a pause need not ask the guest for samples until it has run that
+    long since its newest one: pausing again soon after a resume, as a parked agent does, then
+    costs no request to the guest. The guest's running time since its newest sample is bounded
+    from above by the host's clock (the sample's time is the guest's, which each `/init` sets,
+    rounded down; `CLOCK_MARGIN` allows for the guest's clock being ahead) and, for a sample
+    taken after the last request, by the running time counted since that request. The count
+    starts before a resume and ends after a pause, so it never falls short of the truth.
     """
-    return newest is None or now >= newest + INTERVAL_SECONDS - CLOCK_MARGIN
+
+    quiet: float = 0.0  # seconds the guest may still run without taking a new sample
+    since: float | None = None  # monotonic start of the running time not yet counted
+    ran: float | None = None  # seconds run since the last request (None: none made to this guest)
+
+    def running(self, now: float) -> None:
+        """The guest runs from `now` at the latest (monotonic); a later call changes nothing."""
+        if self.since is None:
+            self.since = now
+
+    def stopped(self, now: float) -> None:
+        """The guest was stopped (paused) by `now`."""
+        self._count(now)
+        self.since = None
+
+    def reset(self) -> None:
+        """A new guest boots (from the disk alone): its samples start afresh."""
+        self.quiet, self.ran = 0.0, None
+
+    def due(self, now: float) -> bool:
+        """Whether the guest, running up to `now`, may hold a sample newer than those saved."""
+        self._count(now)
+        return self.quiet <= 0
+
+    def saved(self, newest: int | None, previous: int | None, wall: float) -> None:
+        """The guest was just asked for its samples: `newest` is now the newest saved (`previous`
+        before the request), as of `wall` (the host's Unix time)."""
+        if newest is not None and newest != previous:
+            since_newest = wall - newest + CLOCK_MARGIN
+            if self.ran is not None:  # the new sample is from after the last request
+                since_newest = min(since_newest, self.ran)
+            self.quiet = INTERVAL_SECONDS - since_newest
+        # else nothing new: the next sample may come at any moment, so `quiet` stays spent
+        self.ran = 0.0
+
+    def _count(self, now: float) -> None:
+        if self.since is not None:
+            self.quiet -= now - self.since
+            self.ran = None if self.ran is None else self.ran + now - self.since
+            self.since = now
 
 
 def merge(*batches: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

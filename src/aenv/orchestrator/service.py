@@ -41,7 +41,7 @@ from ..vmm.envd_link import EnvdUnavailable
 from .admission import Admission, meminfo_mib
 from .errors import NOT_SHARED, Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
 from .interface import CreateRequest
-from .metrics import MetricsArchive, between, merge, sample_due, sandbox_metric
+from .metrics import MetricsArchive, SampleWatch, between, merge, sandbox_metric
 from .states import Op, State, Transition, transition
 from .store import SandboxRecord, SandboxStore
 
@@ -129,6 +129,7 @@ class Sandbox:
     record: SandboxRecord
     vm: SandboxVM | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    samples: SampleWatch = field(default_factory=SampleWatch)
 
     @property
     def id(self) -> str:
@@ -449,6 +450,7 @@ class Orchestrator:
 
     def _stopped(self, sandbox: Sandbox) -> None:
         """The sandbox's VM is gone (paused): drop its connections and its handle."""
+        sandbox.samples.stopped(time.monotonic())
         self.on_stopped(sandbox.id)
         sandbox.vm = None
         sandbox.record.paused_at = sandbox.record.paused_at or rfc3339(clock.now())
@@ -469,6 +471,7 @@ class Orchestrator:
     def _attach(self, sandbox: Sandbox, vm: SandboxVM) -> None:
         """Give the sandbox its running VM, and watch that VM's process for an unplanned exit."""
         sandbox.vm = vm
+        sandbox.samples.running(time.monotonic())
         if id(vm) in self._watchers:  # a parked VM resumed: its process is watched already
             return
         watcher = asyncio.create_task(self._watch(sandbox, vm), name=f"watch-{sandbox.id}")
@@ -555,6 +558,9 @@ class Orchestrator:
             self.admission.check_start(f"resume sandbox {record.sandbox_id}", record.memory_mb)
             try:
                 state = self.engine.load_state(record.sandbox_id)
+                if state.disk_only:  # a new guest boots, whose samples start afresh
+                    sandbox.samples.reset()
+                sandbox.samples.running(time.monotonic())  # before its `cont`
                 self._attach(sandbox, await self.engine.resume(state, self._guest_init(record)))
             except SandboxMoved as exc:
                 raise await self._moved(sandbox, exc) from exc
@@ -846,14 +852,16 @@ class Orchestrator:
     async def _save_samples(self, sandbox: Sandbox) -> None:
         """Before a pause: keep the guest's samples with the sandbox, for while it is paused and
         for a resume that boots a new guest (a filesystem-only pause)."""
+        if not sandbox.samples.due(time.monotonic()):
+            return  # the guest has no sample the archive lacks
         archive = self._archive(sandbox)
-        newest = archive.newest()
-        if not sample_due(newest, time.time()):
-            return
+        previous = newest = archive.newest()
         samples = await self._live_samples(sandbox, None if newest is None else newest + 1)
         if samples:
             with contextlib.suppress(OSError):
                 archive.add(samples)
+            newest = max(newest or 0, samples[-1]["ts"])
+        sandbox.samples.saved(newest, previous, time.time())
 
     async def metrics(self, sandbox: Sandbox, start: int | None, end: int | None) -> list[dict[str, Any]]:
         """The sandbox's samples with `start <= time <= end` (Unix seconds), oldest first.
