@@ -34,7 +34,7 @@ from .recovery import kill_stray
 from .repository import AliasConflict, SnapshotNotFound, check_alias
 from .templates import start_runtime
 from .warm import WarmVMs
-from .warm_pool import WarmPool
+from .warm_pool import WarmPool, WarmVM
 
 BOOT_TIMEOUT = 300.0  # a cold boot under TCG, on a busy host
 
@@ -65,24 +65,50 @@ class Lifecycle:
     ) -> SandboxVM:
         """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
         await self.pending.settle(snapshot)  # one of this node's snapshots, being committed
-        manifest = self.host.repository.acquire(snapshot, sandbox_id)
+        manifest = self.host.repository.get(snapshot)
+        warm = self.pool.take(manifest.id)
+        # The sandbox's lease pins the snapshot against deletion. A warm VM's lease pins it already,
+        # so then the new lease is written, and the warm VM's dropped, while the guest takes its
+        # `/init`: both are durable writes (an fsync, or an object store's round trip).
+        leasing = asyncio.ensure_future(self._lease(manifest.id, sandbox_id, warm))
         try:
-            return await self._start(manifest, sandbox_id, init, policy or EgressPolicy())
+            return await self._start(manifest, sandbox_id, init, policy or EgressPolicy(), warm, leasing)
         finally:
             self.pool.refill(manifest.id)
 
+    async def _lease(self, snapshot_id: str, sandbox_id: str, warm: WarmVM | None) -> None:
+        repository = self.host.repository
+        await asyncio.to_thread(repository.acquire, snapshot_id, sandbox_id)
+        if warm is not None:
+            await asyncio.to_thread(repository.release, snapshot_id, warm.entry_id)
+
+    async def _unlease(self, leasing: asyncio.Future[None], snapshot_id: str, holders: list[str]) -> None:
+        """After a failed start: the leases `_lease` took or kept go (releasing is idempotent)."""
+        with contextlib.suppress(Exception):
+            await leasing
+        for holder in holders:
+            await asyncio.to_thread(self.host.repository.release, snapshot_id, holder)
+
     async def _start(
-        self, manifest: SnapshotManifest, sandbox_id: str, init: GuestInit, policy: EgressPolicy
+        self,
+        manifest: SnapshotManifest,
+        sandbox_id: str,
+        init: GuestInit,
+        policy: EgressPolicy,
+        warm: WarmVM | None,
+        leasing: asyncio.Future[None],
     ) -> SandboxVM:
         host = self.host
-        warm = self.pool.take(manifest.id)
+        holders = [sandbox_id] if warm is None else [sandbox_id, warm.entry_id]
         try:
+            if warm is None:
+                await leasing  # nothing else pins the snapshot
             await host.check_runnable(manifest)
             top = warm.top_layer if warm else await host.new_top_layer(manifest)
         except BaseException:
             if warm is not None:
                 await self.warm.discard(warm)
-            host.repository.release(manifest.id, sandbox_id)
+            await self._unlease(leasing, manifest.id, holders)
             raise
         state = SandboxState(
             sandbox_id=sandbox_id,
@@ -95,13 +121,19 @@ class Lifecycle:
             if manifest.metadata.get(DISK_ONLY):
                 return await self._boot(state, manifest, init)
             if warm is not None:
-                return await self.warm.claim(warm, state, manifest, init, policy)
+                sandbox = await self.warm.claim(warm, state, manifest, init, policy)
+                try:
+                    await leasing
+                except BaseException:
+                    await sandbox.guest.destroy(keep_files=True)
+                    raise
+                return sandbox
             runtime = host.runtime
             stream = runtime.template_stream(manifest)
             return await self.clones.launch(state, manifest, runtime.memory_deltas(manifest), stream, init)
         except BaseException:
             host.layers.remove(top)
-            host.repository.release(manifest.id, sandbox_id)
+            await self._unlease(leasing, manifest.id, holders)
             shutil.rmtree(host.workdir(sandbox_id), ignore_errors=True)
             raise
 

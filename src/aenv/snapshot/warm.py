@@ -117,15 +117,14 @@ class WarmVMs:
         init: GuestInit,
         policy: EgressPolicy,
     ) -> SandboxVM:
-        """Make the warm VM the sandbox `state` describes: its directory, lease, egress and `/init`.
+        """Make the warm VM the sandbox `state` describes: its directory, egress and `/init`.
 
-        The caller already holds the sandbox's own lease; the warm VM's is released here.
+        The caller swaps the warm VM's lease on the snapshot for the sandbox's (`Lifecycle.start`).
         """
         workdir = self.host.workdir(state.sandbox_id)
         (warm.workdir / WARM_FILE).unlink(missing_ok=True)
         warm.workdir.rename(workdir)
         warm.vm.workdir = workdir
-        self.host.repository.release(manifest.id, warm.entry_id)
         if warm.network.policy != policy and self.host.networks is not None:
             await warm.network.apply_policy(policy)
         return await self.clones.identify(state, manifest, warm.vm, warm.network, init, warm.envd)
