@@ -248,9 +248,9 @@ class SandboxNetwork:
     async def apply_policy(self, policy: EgressPolicy) -> None:
         """Replace the namespace's egress rules by `policy` in one transaction.
 
-        The rules this object loaded are changed in place (`policy_update`); a namespace it made
-        gets its table declared; only one whose table is unknown (adopted after a restart, or
-        made by `create` without rules) has the table swapped whole, which is slower.
+        The rules this object loaded are changed in place (`policy_update`); a namespace `create`
+        made gets its table declared; only one whose table is unknown (adopted after a restart)
+        has the table swapped whole, for which the kernel waits out an RCU grace period.
         """
         hosts = await host_addresses()
         if self.policy is not None:
