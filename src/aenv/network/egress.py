@@ -12,7 +12,8 @@ Two tables, both named `aenv` (family inet):
   and a wall between slots and the host (no new connections from a slot to any host
   address, no forwarding from one slot to another), whatever the host's addresses are.
 
-Rules are replaced by one `nft -f` transaction, so there is never a moment without them.
+Rules are replaced by one nft transaction (`policy_update`, loaded through `nftables`), so there
+is never a moment without them.
 """
 
 from __future__ import annotations
