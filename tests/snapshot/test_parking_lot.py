@@ -53,3 +53,25 @@ def test_nothing_is_kept_once_closed() -> None:
         assert "late" not in lot
 
     assert run_lot(ParkingPolicy(max_seconds=60, max_count=8, min_available=0), scenario) == ["late"]
+
+
+def test_the_lot_names_its_kept_processes() -> None:
+    class Kept:  # what the lot reads of a parked sandbox: its QEMU's pid
+        def __init__(self, pid: int) -> None:
+            self.vm = type("VM", (), {"pid": pid})()
+
+    async def main() -> set[int]:
+        async def release(parked: ParkedVM) -> None:
+            pass
+
+        lot = ParkingLot(ParkingPolicy(max_seconds=60, max_count=4, min_available=0), release)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        for name, pid in (("a", 101), ("b", 102)):
+            lot.park(name, Kept(pid), done, threading.Event())  # type: ignore[arg-type]
+        lot.take("a")
+        pids = lot.pids()
+        await lot.close()
+        return pids
+
+    assert asyncio.run(main()) == {102}

@@ -222,8 +222,10 @@ class Orchestrator:
         self._evictor = asyncio.create_task(self._evict_forever())
 
     def vm_pids(self) -> set[int]:
-        """The QEMU processes of the sandboxes whose VM this node holds."""
-        return {s.vm.guest.vm.pid for s in self.sandboxes.values() if s.vm is not None}
+        """The QEMU processes of the sandboxes whose VM this node holds: running, or kept while
+        paused (parked)."""
+        running = {s.vm.guest.vm.pid for s in self.sandboxes.values() if s.vm is not None}
+        return running | self.engine.parked.pids()
 
     def _claimed_pids(self) -> set[int]:
         """The QEMU processes the recovered sandboxes own (running, or parked while paused)."""

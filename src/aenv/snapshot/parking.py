@@ -74,6 +74,10 @@ class ParkingLot:
     def __contains__(self, sandbox_id: str) -> bool:
         return sandbox_id in self._parked
 
+    def pids(self) -> set[int]:
+        """The kept QEMU processes."""
+        return {parked.sandbox.vm.pid for parked in self._parked.values()}
+
     def accepts(self) -> bool:
         return self.policy.enabled and not self.closed
 
