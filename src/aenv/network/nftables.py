@@ -1,7 +1,7 @@
 """nft scripts loaded through libnftables, in this process.
 
-Running `nft -f` behind `nsenter` costs two process starts per load (~5 ms of CPU and ~6 ms of
-wall time on a 2-core host), and a node loads rules for every sandbox network it makes.
+Running `nft -f` behind `nsenter` costs two process starts per load (~5 ms of CPU, and about as
+much wall time, on a 2-core host), and a node loads rules for every sandbox network it makes.
 libnftables is the library `nft` itself is built on (Debian's libnftables1, which the nftables
 package depends on). Its netlink socket belongs to the namespace of the thread that opens it,
 so the loader thread enters the sandbox's namespace for each load (`nsthread.inside`). There is
