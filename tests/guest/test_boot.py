@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aenv.guest import artifacts, tools
-from aenv.vmm.accel import host_tsc_khz
+from aenv.vmm.accel import tcg_clock_options
 from aenv.vmm.machine import MACHINE_TYPE
 
 pytestmark = pytest.mark.vm
@@ -48,9 +48,7 @@ def test_boot_to_envd_and_clean_shutdown(tmp_path: Path, guest_tools: Path) -> N
     serial = tmp_path / "serial.log"
     # As the launcher does under TCG: the guest gets the TSC rate instead of calibrating it
     # against the PIT, which can hang the boot on a busy host.
-    cmdline = f"{a.kernel_cmdline} aenv.hostname=boot-test"
-    if tsc_khz := host_tsc_khz():
-        cmdline += f" tsc_early_khz={tsc_khz}"
+    cmdline = f"{a.kernel_cmdline} aenv.hostname=boot-test {tcg_clock_options()}"
     # The tools drive is attached first on purpose: init must not rely on the probe order.
     cmd = [
         "qemu-system-x86_64", "-M", MACHINE_TYPE, "-accel", "tcg,tb-size=64", "-cpu", "max",

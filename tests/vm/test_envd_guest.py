@@ -111,3 +111,14 @@ def test_idle_guest_kernel_has_no_needless_timers(sandbox):
     values = sandbox.commands.run(f"cat {settings}", user="root").stdout.split()
     assert values == ["0", "0", "10", "3600000", "3600000"]
     assert not sandbox.files.exists("/proc/pressure")
+
+
+def test_idle_guest_stops_its_tick(sandbox):
+    """The guest keeps a high-resolution clocksource, so its idle CPU stops the timer tick: on
+    the jiffies, which a guest under TCG fell back to when its boot's clocksource watchdog
+    judged the TSC unstable, it takes 250 timer interrupts a second (`tsc=reliable`)."""
+    clocksource = "/sys/devices/system/clocksource/clocksource0/current_clocksource"
+    assert sandbox.files.read(clocksource).strip() in ("tsc", "kvm-clock")
+    timers = sandbox.commands.run("cat /proc/timer_list", user="root").stdout
+    assert "tick_handle_periodic" not in timers
+    assert "hrtimer_interrupt" in timers

@@ -238,8 +238,7 @@ class Lifecycle:
         state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
         parked = self.pauses.lot.take(state.sandbox_id)
         if parked is not None:
-            parked.stop.set()  # its pause is not needed on disk any more
-            await parked.capture
+            await parked.end_capture()  # its pause is not needed on disk any more
             sandbox, state = parked.sandbox, parked.sandbox.state
         try:
             pause = await self.handover.claim(state)

@@ -39,11 +39,18 @@ class ParkingPolicy:
 @dataclass
 class ParkedVM:
     """A paused sandbox with its stopped QEMU process; `capture` writes its changed pages, and
-    setting `stop` ends it early (a resume that no longer needs the pause on disk)."""
+    `stop` (set by `end_capture`) ends it early, for a resume or kill that no longer needs the
+    pause on disk."""
 
     sandbox: SandboxVM
     capture: asyncio.Task[None]
     stop: threading.Event
+
+    async def end_capture(self) -> None:
+        """Stop the capture early and wait for it: its pages need not reach the disk any more,
+        and the guest must not run, nor its process end, while they are being read."""
+        self.stop.set()
+        await self.capture
 
 
 def host_memory_available() -> float:

@@ -104,8 +104,7 @@ class Pauses:
         """Make a paused sandbox's next resume boot from its disk (E2B's resume `memory: false`)."""
         parked = self.lot.take(sandbox_id)
         if parked is not None:
-            parked.stop.set()  # the memory it would save is dropped
-            await parked.capture
+            await parked.end_capture()  # the memory it would save is dropped
             await self.end_process(parked.sandbox)
         self.forget_memory(self.host.load_state(sandbox_id))
 
@@ -161,8 +160,7 @@ class Pauses:
         """`cont` the kept process and `/init` the guest, without waiting for its pause to reach
         the disk; if that fails, the sandbox stays paused (from disk, or paused again)."""
         sandbox = parked.sandbox
-        parked.stop.set()  # the live process is the state now: its capture may end early
-        await parked.capture  # the guest must not run while its pages are being read
+        await parked.end_capture()  # the live process is the state now
         try:
             await sandbox.vm.command("cont")
             sandbox.envd.access_token = init.access_token

@@ -63,21 +63,36 @@ def default_vcpus(accel: Accelerator) -> int:
     return 2 if accel == "kvm" else 1
 
 
-def host_tsc_khz() -> int | None:
-    """The host's TSC frequency as /proc/cpuinfo reports it, for guests under TCG.
+def tcg_clock_options(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Kernel command-line options about the TSC for a guest under TCG, whose TSC is the host's.
 
-    Under TCG the guest's TSC runs at the host's rate, but the guest kernel calibrates it against
-    the emulated PIT, which fails on a busy host and can hang the boot; telling the guest the
-    frequency (`tsc_early_khz=`) makes calibration unnecessary.
+    - `tsc_early_khz=`: the host's TSC rate. The guest kernel would otherwise calibrate it
+      against the emulated PIT, which fails on a busy host and can hang the boot.
+    - `tsc=reliable`, when the host's TSC runs at a constant rate (`constant_tsc`, `nonstop_tsc`).
+      Without it the kernel's clocksource watchdog compares the TSC with the jiffies, from the
+      boot on. Emulated timer interrupts arrive late on a busy host, so the watchdog sometimes
+      marks the TSC unstable and falls back to `refined-jiffies`. Without a high-resolution
+      clocksource an idle guest cannot stop its tick: 251 timer interrupts a second instead of 4.
+      A template booted that way passes the periodic tick on to every sandbox restored from it.
+      Measured with 20 idle sandboxes on a fresh node: 2.86 % of a core each on the jiffies,
+      0.26 % on the TSC with the watchdog's own timer, 0.13 % with `tsc=reliable`.
     """
+    khz, flags = None, set()
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("cpu MHz"):
-                    return round(float(line.split(":", 1)[1]) * 1000)
+        with open(cpuinfo) as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "cpu MHz" and khz is None:
+                    khz = round(float(value) * 1000)
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
     except (OSError, ValueError):
         pass
-    return None
+    options = [f"tsc_early_khz={khz}"] if khz else []
+    if {"constant_tsc", "nonstop_tsc"} <= flags:
+        options.append("tsc=reliable")
+    return " ".join(options)
 
 
 def accelerator_from_env() -> AcceleratorChoice:

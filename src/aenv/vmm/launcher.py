@@ -18,7 +18,7 @@ from typing import Any
 
 from ..guest.artifacts import GuestArtifacts
 from ..network.netns import SandboxNetwork
-from .accel import Accelerator, accelerator_from_env, default_vcpus, host_tsc_khz
+from .accel import Accelerator, accelerator_from_env, default_vcpus, tcg_clock_options
 from .envd_link import EnvdLink
 from .machine import Drive, MachineConfig, MemoryMode, VirtualMachine
 
@@ -54,9 +54,8 @@ class BootFiles:
         cls, artifacts: GuestArtifacts, accel: Accelerator, hostname: str = "aenv"
     ) -> BootFiles:
         cmdline = f"{artifacts.kernel_cmdline} aenv.hostname={hostname}"
-        tsc_khz = host_tsc_khz() if accel == "tcg" else None
-        if tsc_khz:
-            cmdline += f" tsc_early_khz={tsc_khz}"
+        if accel == "tcg" and (clock := tcg_clock_options()):
+            cmdline += f" {clock}"
         return cls(artifacts.kernel, artifacts.initramfs, artifacts.tools_image, cmdline)
 
 
