@@ -1,9 +1,14 @@
 """The node's control plane and a guest's envd as the harness calls them: plain HTTP, timed by the caller.
 
 Every call checks the status the API documents for success and raises with the node's error body
-otherwise, so a figure never silently times a failure. Guest commands go through the node's proxy
-(the `E2b-Sandbox-Id`/`E2b-Sandbox-Port` headers, as the SDK sends them) with envd's Connect JSON
-protocol, so the harness needs nothing on the node's host to prepare a guest.
+otherwise, so a figure never silently times a failure. The client is aiohttp's: the figures time
+the node, and the harness's own cost per request should stay small beside it. Measured against one
+node on loopback (median of 200, GET `/health` and `/sandboxes/{id}`): the node answers a kept-alive
+raw socket in 0.2-0.35 ms; aiohttp's client adds 0.05-0.2 ms to that, httpx's 1.0-1.2 ms.
+
+Guest commands go through the node's proxy (the `E2b-Sandbox-Id`/`E2b-Sandbox-Port` headers, as
+the SDK sends them) with envd's Connect JSON protocol, so the harness needs nothing on the node's
+host to prepare a guest.
 """
 
 from __future__ import annotations
@@ -13,34 +18,42 @@ import base64
 import json
 from typing import Any
 
-import httpx
+import aiohttp
+from multidict import CIMultiDict
 
 from aenv.agent.envd import ENVD_PORT
 from aenv.agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
 
 from .node import DEFAULT_TIMEOUT, BenchError, Node
 
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
+
 
 class NodeClient:
-    """One httpx client for the API and the proxy; sandboxes are the JSON the API returns."""
+    """One HTTP session for the API and the proxy; sandboxes are the JSON the API returns."""
 
     def __init__(self, node: Node, *, max_connections: int = 64, headers: dict[str, str] | None = None):
         self.node = node
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(
-            base_url=node.url, headers={"X-API-Key": node.api_key, **(headers or {})}, limits=limits,
-            timeout=httpx.Timeout(600.0, connect=30.0),
+        self._http = aiohttp.ClientSession(
+            node.url, headers={"X-API-Key": node.api_key, **(headers or {})},
+            connector=aiohttp.TCPConnector(limit=max_connections),
+            timeout=aiohttp.ClientTimeout(total=600.0, connect=30.0),
         )  # fmt: skip
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self._http.close()
+
+    async def request(self, method: str, path: str, **options: Any) -> tuple[int, CIMultiDict[str], bytes]:
+        """Status, headers and body of one request (`options` as aiohttp's `request` takes them)."""
+        async with self._http.request(method, path, **options) as response:
+            return response.status, response.headers.copy(), await response.read()
 
     async def _call(self, method: str, path: str, expect: int | tuple[int, ...], body: Any = None) -> Any:
-        response = await self.http.request(method, path, json=body)
-        if response.status_code not in (expect if isinstance(expect, tuple) else (expect,)):
-            message = f"{method} {path} answered {response.status_code}: {response.text[:400]}"
-            raise BenchError(message, response.status_code)
-        return response.json() if response.content else None
+        status, _, content = await self.request(method, path, json=body)
+        if status not in (expect if isinstance(expect, tuple) else (expect,)):
+            message = f"{method} {path} answered {status}: {content[:400].decode(errors='replace')}"
+            raise BenchError(message, status)
+        return json.loads(content) if content else None
 
     async def create(self, template: str = "base") -> dict[str, Any]:
         return await self._call(
@@ -96,9 +109,10 @@ class NodeClient:
         """envd's `/health` through the node's proxy."""
         headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
         try:
-            return (await self.http.get("/health", headers=headers, timeout=30)).status_code == 204
-        except httpx.HTTPError:
+            status, _, _ = await self.request("GET", "/health", headers=headers, timeout=HEALTH_TIMEOUT)
+        except (aiohttp.ClientError, TimeoutError):
             return False
+        return status == 204
 
     async def run(self, sandbox: dict[str, Any], command: str, *, timeout: float = 600.0) -> str:
         """Run `command` with bash as root through the proxy; its stdout. Fails on a non-zero exit."""
@@ -115,12 +129,13 @@ class NodeClient:
         if sandbox.get("envdAccessToken"):
             headers["X-Access-Token"] = sandbox["envdAccessToken"]
         body = envelope(payload)
-        response = await self.http.post(
-            "/process.Process/Start", content=body, headers=headers, timeout=timeout
+        limit = aiohttp.ClientTimeout(total=timeout)
+        status, _, content = await self.request(
+            "POST", "/process.Process/Start", data=body, headers=headers, timeout=limit
         )
-        if response.status_code != 200:
-            raise BenchError(f"envd Start answered {response.status_code}: {response.text[:400]}")
-        return _command_output(command, response.content)
+        if status != 200:
+            raise BenchError(f"envd Start answered {status}: {content[:400].decode(errors='replace')}")
+        return _command_output(command, content)
 
 
 def _command_output(command: str, stream: bytes) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import secrets
 import shutil
@@ -256,11 +257,11 @@ async def _walk(client: NodeClient, count: int) -> float:
     started = time.perf_counter()
     while True:
         params = {"limit": str(PAGE), **({"nextToken": token} if token else {})}
-        response = await client.http.get("/v2/sandboxes", params=params)
-        if response.status_code != 200:
-            raise BenchError(f"listing answered {response.status_code}: {response.text[:400]}")
-        seen.update(s["sandboxID"] for s in response.json())
-        if (token := response.headers.get("X-Next-Token")) is None:
+        status, headers, content = await client.request("GET", "/v2/sandboxes", params=params)
+        if status != 200:
+            raise BenchError(f"listing answered {status}: {content[:400].decode(errors='replace')}")
+        seen.update(s["sandboxID"] for s in json.loads(content))
+        if (token := headers.get("X-Next-Token")) is None:
             break
     elapsed = ms_since(started)
     if len(seen) != count:
