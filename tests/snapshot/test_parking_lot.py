@@ -8,6 +8,11 @@ import threading
 from aenv.snapshot.parking import ParkedVM, ParkingLot, ParkingPolicy
 
 
+def parked(sandbox, capture: asyncio.Future[None]) -> ParkedVM:
+    """A parked sandbox as the lot sees it (its capture already done)."""
+    return ParkedVM(sandbox, capture, threading.Event(), asyncio.Event())  # type: ignore[arg-type]
+
+
 def run_lot(policy: ParkingPolicy, scenario) -> list[str]:
     released: list[str] = []
 
@@ -18,7 +23,7 @@ def run_lot(policy: ParkingPolicy, scenario) -> list[str]:
         lot = ParkingLot(policy, release)
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
-        await scenario(lot, lambda name: lot.park(name, name, done, threading.Event()))
+        await scenario(lot, lambda name: lot.park(name, parked(name, done)))
         await lot.close()
 
     asyncio.run(main())
@@ -68,10 +73,34 @@ def test_the_lot_names_its_kept_processes() -> None:
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         for name, pid in (("a", 101), ("b", 102)):
-            lot.park(name, Kept(pid), done, threading.Event())  # type: ignore[arg-type]
+            lot.park(name, parked(Kept(pid), done))
         lot.take("a")
         pids = lot.pids()
         await lot.close()
         return pids
 
     assert asyncio.run(main()) == {102}
+
+
+def test_closing_waits_for_the_captures_of_sandboxes_taken_from_the_lot() -> None:
+    """A resume takes its sandbox without waiting for the capture's flush; the node's shutdown
+    must not end before that capture has discarded its file."""
+
+    async def main() -> list[str]:
+        events: list[str] = []
+
+        async def release(parked: ParkedVM) -> None:
+            pass
+
+        async def capture() -> None:
+            await asyncio.sleep(0.05)
+            events.append("capture ended")
+
+        lot = ParkingLot(ParkingPolicy(max_seconds=60, max_count=4, min_available=0), release)
+        lot.park("a", parked("a", asyncio.create_task(capture())))
+        assert lot.take("a") is not None
+        await lot.close()
+        events.append("closed")
+        return events
+
+    assert asyncio.run(main()) == ["capture ended", "closed"]

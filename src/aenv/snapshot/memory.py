@@ -125,6 +125,12 @@ def capture_delta(
     return DeltaInfo(int(indices.size), memory_size, out, "sha256:" + digest.hexdigest() if sync else "")
 
 
+def flush_delta(path: Path) -> None:
+    """Make a delta layer written without `sync` durable."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _check(stop: threading.Event | None) -> None:
     if stop is not None and stop.is_set():
         raise CaptureStopped("the capture was stopped")

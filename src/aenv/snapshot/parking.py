@@ -38,19 +38,25 @@ class ParkingPolicy:
 
 @dataclass
 class ParkedVM:
-    """A paused sandbox with its stopped QEMU process; `capture` writes its changed pages, and
-    `stop` (set by `end_capture`) ends it early, for a resume or kill that no longer needs the
-    pause on disk."""
+    """A paused sandbox with its stopped QEMU process.
+
+    `capture` reads the pages the guest changed, then flushes them to the disk. `read` is set
+    once it no longer reads the guest's memory, whatever the outcome. `stop` (set by
+    `end_capture`) ends it early, for a resume, kill or memory drop that no longer needs the pause
+    on disk.
+    """
 
     sandbox: SandboxVM
     capture: asyncio.Task[None]
     stop: threading.Event
+    read: asyncio.Event
 
     async def end_capture(self) -> None:
-        """Stop the capture early and wait for it: its pages need not reach the disk any more,
-        and the guest must not run, nor its process end, while they are being read."""
+        """Stop the capture and wait until it no longer reads the guest's memory: the guest must
+        not run, nor its process end, while its pages are being read. A flush already under way
+        is not waited for: the capture discards its file after it (the lot's `close` waits)."""
         self.stop.set()
-        await self.capture
+        await self.read.wait()
 
 
 def host_memory_available() -> float:
@@ -73,6 +79,7 @@ class ParkingLot:
         self._parked: dict[str, ParkedVM] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._releasing: set[asyncio.Task[None]] = set()
+        self._captures: set[asyncio.Task[None]] = set()  # also of sandboxes taken from the lot
         self.closed = False
 
     def __len__(self) -> int:
@@ -88,11 +95,11 @@ class ParkingLot:
     def accepts(self) -> bool:
         return self.policy.enabled and not self.closed
 
-    def park(
-        self, sandbox_id: str, sandbox: SandboxVM, capture: asyncio.Task[None], stop: threading.Event
-    ) -> None:
+    def park(self, sandbox_id: str, parked: ParkedVM) -> None:
         """Keep the sandbox's process; make room if the lot is over its count or memory bound."""
-        self._parked[sandbox_id] = ParkedVM(sandbox, capture, stop)
+        self._parked[sandbox_id] = parked
+        self._captures.add(parked.capture)
+        parked.capture.add_done_callback(self._captures.discard)
         loop = asyncio.get_running_loop()
         self._timers[sandbox_id] = loop.call_later(self.policy.max_seconds, self._evict, sandbox_id)
         if self.closed:  # the pause began before the lot closed: no keeping it now
@@ -117,9 +124,11 @@ class ParkingLot:
             task.add_done_callback(self._releasing.discard)
 
     async def close(self) -> None:
-        """End every kept process and keep no more."""
+        """End every kept process and keep no more; wait for every capture to end."""
         self.closed = True
         await self.release_all()
+        while self._captures:
+            await asyncio.gather(*self._captures, return_exceptions=True)
 
     async def release_all(self) -> None:
         """End every kept process (each pause is on disk first)."""
