@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import secrets
 import socket
 import time
@@ -10,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from aenv.network import nftables
 from aenv.network.egress import TAP_NAME, EgressPolicy, NetworkError, policy_update, run_nft
 from aenv.network.netns import GATEWAY_ADDRESS, GATEWAY_MAC, SandboxNetwork, inside
 from aenv.network.pool import NetworkPool, cleanup_stale
@@ -107,6 +110,33 @@ async def test_a_refused_script_raises_with_nft_s_message_and_changes_nothing(po
     refused = policy_update(EgressPolicy(allow_internet=False)) + "add rule inet aenv egress bogus\n"
     with pytest.raises(NetworkError, match="syntax error"):
         await run_nft(refused, network.name)  # all of it or nothing: its reject is not applied either
+    assert egress_rules(network.name)[-1] == "accept"
+
+
+async def test_rules_load_in_a_process_holding_over_a_thousand_descriptors(pool: NetworkPool):
+    """libnftables waits with select(2), which aborts a process on a descriptor numbered 1024 or
+    more; a node with hundreds of sandboxes holds that many, so the library runs in a helper."""
+    network = await pool.acquire()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        await run_nft(policy_update(EgressPolicy(allow_internet=False)), network.name)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert egress_rules(network.name)[-1].startswith("reject")
+
+
+async def test_a_helper_that_exited_is_started_again(pool: NetworkPool):
+    network = await pool.acquire()
+    await run_nft(policy_update(EgressPolicy(allow_internet=False)), network.name)
+    helper = nftables._HELPER._process
+    assert helper is not None
+    helper.kill()  # the helper this test's loads started
+    helper.wait()
+    await run_nft(policy_update(EgressPolicy()), network.name)
     assert egress_rules(network.name)[-1] == "accept"
 
 
