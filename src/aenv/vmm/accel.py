@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -63,19 +64,27 @@ def default_vcpus(accel: Accelerator) -> int:
     return 2 if accel == "kvm" else 1
 
 
-def tcg_clock_options(cpuinfo: str = "/proc/cpuinfo") -> str:
+def tcg_clock_options(
+    cpuinfo: str = "/proc/cpuinfo", cpufreq: str = "/sys/devices/system/cpu/cpufreq"
+) -> str:
     """Kernel command-line options about the TSC for a guest under TCG, whose TSC is the host's.
 
     - `tsc_early_khz=`: the host's TSC rate. The guest kernel would otherwise calibrate it
       against the emulated PIT, which fails on a busy host and can hang the boot.
-    - `tsc=reliable`, when the host's TSC runs at a constant rate (`constant_tsc`, `nonstop_tsc`).
-      Without it the kernel's clocksource watchdog compares the TSC with the jiffies, from the
-      boot on. Emulated timer interrupts arrive late on a busy host, so the watchdog sometimes
-      marks the TSC unstable and falls back to `refined-jiffies`. Without a high-resolution
-      clocksource an idle guest cannot stop its tick: 251 timer interrupts a second instead of 4.
-      A template booted that way passes the periodic tick on to every sandbox restored from it.
-      Measured with 20 idle sandboxes on a fresh node: 2.86 % of a core each on the jiffies,
-      0.26 % on the TSC with the watchdog's own timer, 0.13 % with `tsc=reliable`.
+    - `tsc=reliable`. Without it the kernel's clocksource watchdog compares the TSC with the
+      jiffies, from the boot on. Emulated timer interrupts arrive late on a busy host, so the
+      watchdog sometimes marks the TSC unstable and falls back to `refined-jiffies`. Without a
+      high-resolution clocksource an idle guest cannot stop its tick: 251 timer interrupts a
+      second instead of 4. A template booted that way passes the periodic tick on to every
+      sandbox restored from it. Measured with 20 idle sandboxes on a fresh node: 2.86 % of a
+      core each on the jiffies, 0.26 % on the TSC with the watchdog's own timer, 0.13 % with
+      `tsc=reliable`.
+
+    The watchdog is only turned off where the rate given is the TSC's for certain, since the
+    guest's clock would run at the wrong speed otherwise. That is where the host's TSC runs at one
+    rate (`constant_tsc`, `nonstop_tsc`), its kernel knows that rate rather than calibrating it
+    (`tsc_known_freq`), and no cpufreq driver scales its cores: "cpu MHz" then reports that rate,
+    as in a VM. On a host whose cores change speed, "cpu MHz" is the current speed of a core.
     """
     khz, flags = None, set()
     try:
@@ -89,10 +98,11 @@ def tcg_clock_options(cpuinfo: str = "/proc/cpuinfo") -> str:
                     flags = set(value.split())
     except (OSError, ValueError):
         pass
-    options = [f"tsc_early_khz={khz}"] if khz else []
-    if {"constant_tsc", "nonstop_tsc"} <= flags:
-        options.append("tsc=reliable")
-    return " ".join(options)
+    if not khz:
+        return ""
+    scaled = any(Path(cpufreq).glob("policy*"))
+    exact = {"constant_tsc", "nonstop_tsc", "tsc_known_freq"} <= flags and not scaled
+    return f"tsc_early_khz={khz}" + (" tsc=reliable" if exact else "")
 
 
 def accelerator_from_env() -> AcceleratorChoice:
