@@ -146,7 +146,7 @@ class Pauses:
                       sandbox.sandbox_id, exc)  # fmt: skip
             return
         if stop.is_set():
-            log.debug("saving the memory of paused sandbox %s stopped: it resumes", sandbox.sandbox_id)
+            log.debug("saving the memory of paused sandbox %s stopped: not needed", sandbox.sandbox_id)
             await asyncio.to_thread(_unlink, [str(delta), *previous])
             return
         sandbox.state.delta = str(delta)
