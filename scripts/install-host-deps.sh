@@ -23,6 +23,8 @@ PACKAGES=(
     linux-image-amd64 busybox-static kmod mmdebstrap debian-archive-keyring ca-certificates
     cpio e2fsprogs zstd iproute2 nftables libnftables1 util-linux python3-venv
 )
+# envd's command starter (src/aenv/agent/exec.c), compiled static for the tools drive.
+PACKAGES+=(gcc libc6-dev)
 # Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server).
 PACKAGES+=(diod)
 # Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from aenv.agent.envd import ENVD_VERSION
+from aenv.guest.tools import build_exec_helper
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -52,6 +53,8 @@ def run_envd(
     workdir = tmp / "default-workdir"
     workdir.mkdir(parents=True, exist_ok=True)
     log = tmp / f"envd-{port}.log"
+    helper = tmp / f"aenv-exec-{port}"
+    build_exec_helper(helper)  # as the tools drive carries it
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     with log.open("wb") as logf:
         proc = subprocess.Popen(
@@ -69,6 +72,8 @@ def run_envd(
                 str(workdir),
                 *(["--state-file", str(state_file)] if state_file else []),
                 *(["--host-peer", host_peer] if host_peer else []),
+                "--exec-helper",
+                str(helper),
             ],
             stdout=logf,
             stderr=subprocess.STDOUT,

@@ -8,6 +8,7 @@ import gzip
 import http.client
 import json
 import os
+import pwd
 import struct
 import time
 from collections.abc import Iterator
@@ -387,6 +388,32 @@ def test_start_bad_input(envd_server):
     ):
         [(flags, msg)] = _start_raw(envd_server, body)
         assert flags == 2 and msg["error"]["code"] == "invalid_argument", msg
+
+
+def test_a_program_that_cannot_start_is_invalid_argument(envd_server, tmp_path):
+    not_executable = tmp_path / "plain.txt"
+    not_executable.write_text("echo no\n")
+    for cmd, reason in (
+        ("/no/such/program", "No such file or directory: '/no/such/program'"),
+        ("no-such-program-on-path", "No such file or directory: 'no-such-program-on-path'"),
+        (str(not_executable), "Permission denied"),
+    ):
+        [(flags, msg)] = _start_raw(envd_server, {"process": {"cmd": cmd}})
+        assert flags == 2 and msg["error"]["code"] == "invalid_argument", msg
+        message = msg["error"]["message"]
+        assert message.startswith("failed to start process: [Errno") and reason in message
+    [(_, listed)] = _unary(envd_server, "process.Process/List", {}).json().items()
+    assert listed == []  # nothing was left running, and each helper was reaped
+
+
+def test_a_command_runs_as_its_user_with_the_oom_score_of_a_command(envd_server):
+    nobody = pwd.getpwnam("nobody")
+    sandbox = sdk_sandbox(envd_server)
+    ids = "id -u; id -g; id -G; cat /proc/self/oom_score_adj"
+    out = sandbox.commands.run(ids, user="nobody", cwd="/").stdout.split("\n")
+    groups = os.getgrouplist("nobody", nobody.pw_gid)
+    assert out[:4] == [str(nobody.pw_uid), str(nobody.pw_gid), " ".join(map(str, groups)), "100"]
+    assert sandbox.commands.run("true").exit_code == 0  # found on PATH
 
 
 def test_signals_envd_does_not_send_are_refused(envd_server):

@@ -21,6 +21,7 @@ import time
 TOOLS = "/opt/aenv"
 # The shipped runtime (built by aenv.guest.runtime, which takes these paths from here).
 RUNTIME = f"{TOOLS}/runtime"
+EXEC_HELPER = f"{TOOLS}/bin/aenv-exec"  # built from exec.c beside this file (aenv.guest.tools)
 RUNTIME_LIB = f"{RUNTIME}/lib"
 RUNTIME_BIN = f"{RUNTIME}/bin"
 LOADER = f"{RUNTIME_LIB}/ld-linux-x86-64.so.2"
@@ -230,7 +231,10 @@ class Envd:
     def start(self) -> None:
         self.restart_at = None
         # -S: envd's packages come from PYTHONPATH; skipping site saves start time under TCG.
-        argv = shipped("python3", "-S", "-m", "aenv_envd", "--host-peer", GATEWAY, "--state-file", ENVD_STATE)
+        argv = shipped(
+            "python3", "-S", "-m", "aenv_envd", "--host-peer", GATEWAY, "--state-file", ENVD_STATE,
+            "--exec-helper", EXEC_HELPER,
+        )  # fmt: skip
         try:
             self.pid = spawn(argv, envd_env())
         except OSError as e:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import aenv.agent
-from aenv.agent.init import TOOLS
+from aenv.agent.init import EXEC_HELPER, TOOLS
 from aenv.guest.cache import cached_build, file_digest, inputs_key, tree_digest
 from aenv.guest.runtime import compile_tree, ensure_runtime, python_version
 
@@ -31,6 +31,7 @@ PRODUCT = "tools.img"
 AGENT_DIR = Path(aenv.agent.__file__).parent
 INIT_SOURCE = AGENT_DIR / "init.py"
 ENVD_SOURCE = AGENT_DIR / "envd"
+EXEC_SOURCE = AGENT_DIR / "exec.c"
 
 # The one place guest-side Python dependencies are pinned (the host venv's versions, so envd
 # runs in the guest with what its tests run on the host), as wheels for the shipped runtime.
@@ -55,6 +56,7 @@ def tools_key(runtime: str) -> str:
         builder=file_digest(Path(__file__)),
         init=file_digest(INIT_SOURCE),
         envd=tree_digest(ENVD_SOURCE),
+        exec_helper=file_digest(EXEC_SOURCE),
         vendored=VENDORED,
         runtime=runtime,
     )
@@ -88,6 +90,17 @@ def _vendor(lib: Path) -> None:
     shutil.rmtree(lib / "bin", ignore_errors=True)
 
 
+def build_exec_helper(target: Path) -> None:
+    """Compile aenv-exec, envd's command starter, static: it runs in every image, whatever libc
+    the image has, and starts without a dynamic loader."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["cc", "-static", "-Os", "-Wall", "-Werror", "-o", str(target), str(EXEC_SOURCE)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def _build(runtime: Path, out: Path) -> None:
     tree = out / "tree"
     # Hard links: the runtime's cache entry and this tree are on the same filesystem.
@@ -95,6 +108,7 @@ def _build(runtime: Path, out: Path) -> None:
     lib = tree / "lib"
     lib.mkdir()
     shutil.copy2(INIT_SOURCE, tree / "init.py")
+    build_exec_helper(tree / Path(EXEC_HELPER).relative_to(TOOLS))
     if ENVD_SOURCE.is_dir():
         shutil.copytree(ENVD_SOURCE, lib / ENVD_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     else:

@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="where to keep what /init set, so that a restarted envd takes it over (root-only)",
     )
+    parser.add_argument(
+        "--exec-helper",
+        required=True,
+        help="the aenv-exec program, through which every command is started",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s envd %(levelname)s %(name)s: %(message)s",
     )
     state = State(
+        exec_helper=args.exec_helper,
         default_user=args.default_user,
         default_workdir=args.default_workdir,
         host_peer=args.host_peer,
