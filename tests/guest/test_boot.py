@@ -18,7 +18,8 @@ pytestmark = pytest.mark.vm
 
 FAKE_ENVD = """\
 import os, signal, subprocess, sys
-probe = "id -u user; sudo -n -u user sudo -n true && echo sudo-ok; findmnt -no OPTIONS /opt/aenv; hostname"
+probe = "id -u user; sudo -n -u user sudo -n true && echo sudo-ok; findmnt -no OPTIONS /opt/aenv; hostname; "\
+    "/opt/aenv/bin/aenv-exec 2 100 - 0 echo exec-ok"
 out = subprocess.run(["sh", "-c", probe], capture_output=True, text=True).stdout
 print("FAKE-ENVD", sys.argv[1:], out.split(), flush=True)
 subprocess.Popen(["sleep", "600"])  # must be terminated by init's shutdown
@@ -72,8 +73,11 @@ def test_boot_to_envd_and_clean_shutdown(tmp_path: Path, guest_tools: Path) -> N
     assert code == 0, log
     assert "aenv-initramfs: root /dev/vdb, tools /dev/vda" in log
     assert "envd started" in log
-    envd_args = "['--host-peer', '169.254.0.22', '--state-file', '/run/aenv/envd.json']"
-    assert f"FAKE-ENVD {envd_args} ['1000', 'sudo-ok', 'ro,noatime', 'boot-test']" in log
+    envd_args = (
+        "['--host-peer', '169.254.0.22', '--state-file', '/run/aenv/envd.json',"
+        " '--exec-helper', '/opt/aenv/bin/aenv-exec']"
+    )
+    assert f"FAKE-ENVD {envd_args} ['1000', 'sudo-ok', 'ro,noatime', 'boot-test', 'exec-ok']" in log
     assert "shutting down (SIGTERM)" in log
     assert log.index("shutting down") < log.index("reboot")
     assert "Kernel panic" not in log, log
