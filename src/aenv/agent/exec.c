@@ -40,12 +40,15 @@ static void fail(const char *step)
     _exit(127);
 }
 
+/* A decimal number at the start of `text` (digits only: strtoul would take "-1" too). */
 static unsigned long number(const char *text, char **end)
 {
+    if (*text < '0' || *text > '9')
+        errno = EINVAL, fail("arguments");
     errno = 0;
     unsigned long value = strtoul(text, end, 10);
-    if (errno != 0 || *end == text)
-        errno = EINVAL, fail("arguments");
+    if (errno != 0)
+        fail("arguments");
     return value;
 }
 
