@@ -442,7 +442,7 @@ class ProcessService:
         Without a preexec function or ids to change, CPython starts the helper with vfork. Before,
         envd's fork copied its page tables and the Python preexec function then faulted in every
         page it touched. Under TCG, `bash -c true` through the node's proxy took 52-58 ms before
-        and 32-37 ms now (warm, as root or a user), and each child of a fork into 16 used 80-100 ms
+        and 32-37 ms now (warm, as root or a user), and each child of a fork into 16 used 50-100 ms
         less QEMU CPU for its first command. Raises OSError when the helper or the program cannot
         be started, with the helper already reaped."""
         report, report_w = os.pipe()

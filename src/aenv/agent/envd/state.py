@@ -35,7 +35,7 @@ def same_secret(sent: str, expected: str) -> bool:
 
 @dataclass
 class State:
-    exec_helper: str  # aenv-exec (`exec.c` beside this package's source), which starts commands
+    exec_helper: str  # aenv-exec (built from aenv/agent/exec.c), which starts every command
     default_user: str = "user"
     default_workdir: str | None = None
     access_token: str | None = None
