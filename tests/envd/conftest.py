@@ -56,9 +56,24 @@ def run_envd(
     helper = tmp / f"aenv-exec-{port}"
     build_exec_helper(helper)  # as the tools drive carries it
     env = {**os.environ, "PYTHONPATH": str(SRC)}
+    quiet_rc = tmp / "empty-bashrc"
+    quiet_rc.touch()
     with log.open("wb") as logf:
         proc = subprocess.Popen(
             [
+                # The SDK's commands are login shells (`bash -l`), here run as root on this host,
+                # whose own ~/.bashrc is not the sandbox's and may run anything: on these hosts
+                # `pyenv rehash`, whose lock a test that kills its command can leave behind, and
+                # every later login shell then waits a minute for it. So envd runs in a mount
+                # namespace of its own, where root's ~/.bashrc is empty.
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                'mount --bind "$0" /root/.bashrc 2>/dev/null; exec "$@"',
+                str(quiet_rc),
                 sys.executable,
                 "-m",
                 "aenv.agent.envd",
