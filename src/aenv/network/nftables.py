@@ -11,9 +11,9 @@ select(2) is given a descriptor numbered 1024 (FD_SETSIZE) or more ("bit out of 
 FD_SETSIZE on fd_set"). A node with a few hundred sandboxes holds more descriptors than that,
 so the library must not run in the node's process. It runs in one long-lived helper instead
 (`python -m aenv.network.nftables`), which holds a handful of descriptors. The node starts it
-on its first load, and again if it ever exits. Each request is one JSON line on the helper's
-stdin (`netns`, `script`), each answer one JSON line on its stdout (`error`, null when the
-script was loaded). The helper ends when its stdin closes, which is when the node exits.
+on its first load, and again on the next load after it exited. Each request is one JSON line
+on the helper's stdin (`netns`, `script`), each answer one JSON line on its stdout (`error`,
+null when the script was loaded). The helper ends when its stdin closes, which is when the node exits.
 The loads go one at a time, from one thread of the node.
 """
 
@@ -86,7 +86,11 @@ class _Helper:
 
     def load(self, script: str, netns: str | None) -> None:
         with self._lock:
-            process = self._process if self._process is not None else self._start()
+            process = self._process
+            if process is not None and process.poll() is not None:  # exited since its last load
+                _discard(process)
+                process = None
+            process = process or self._start()
             assert process.stdin is not None and process.stdout is not None
             request = json.dumps({"netns": netns, "script": script}).encode() + b"\n"
             try:
@@ -97,8 +101,7 @@ class _Helper:
                 answer = b""
             if not answer:
                 self._process = None
-                code = process.wait()
-                raise NftError(f"the nft helper process exited ({code}) during a load")
+                raise NftError(f"the nft helper process exited ({_discard(process)}) during a load")
             error = json.loads(answer)["error"]
         if error is not None:
             raise NftError(error)
@@ -121,6 +124,15 @@ class _Helper:
             with contextlib.suppress(OSError):
                 process.stdin.close()
             process.wait()
+
+
+def _discard(process: subprocess.Popen[bytes]) -> int:
+    """Close the pipes to a helper that has exited or is exiting, and return its exit code."""
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    return process.wait()
 
 
 _HELPER = _Helper()
