@@ -197,6 +197,7 @@ def test_metrics_history(envd_server):
     url = envd_server.url + "/metrics/history"
     history = httpx.get(url, headers=_headers(envd_server)).json()
     assert history["interval"] > 0 and history["samples"], history
+    assert 0 <= history["next_in"] <= history["interval"]  # the running time until the next sample
     first = history["samples"][0]
     assert first["mem_total"] > 0 and "cpu_used_pct" in first and "disk_used" in first
     stamps = [s["ts"] for s in history["samples"]]
@@ -570,6 +571,7 @@ def test_the_nodes_metrics_history_is_answered_before_aiohttp(tmp_path):
         full = httpx.get(url, params={"start": 0, "other": 1}, headers=token)
         assert full.status_code == 200 and "Server" in full.headers
         assert short.json()["interval"] == full.json()["interval"] > 0
+        assert 0 <= short.json()["next_in"] <= short.json()["interval"]
         assert short.json()["samples"] == full.json()["samples"][: len(short.json()["samples"])]
         newest = short.json()["samples"][-1]["ts"]
         assert httpx.get(url, params={"start": newest + 1}, headers=token).json()["samples"] == []

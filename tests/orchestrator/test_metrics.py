@@ -8,6 +8,7 @@ from aenv.agent.envd.metrics import INTERVAL_SECONDS
 from aenv.orchestrator.metrics import (
     CLOCK_MARGIN,
     KEPT_SAMPLES,
+    NEXT_SAMPLE_MARGIN,
     MetricsArchive,
     SampleWatch,
     between,
@@ -77,3 +78,16 @@ def test_a_pause_asks_the_guest_only_once_it_may_have_run_an_interval_since_its_
     watch.saved(newest=1_300, previous=1_020, wall=1_300.5)
     watch.reset()  # a guest booted afresh from its disk samples from its start
     assert watch.due(200.0)
+
+
+def test_envd_s_next_in_bounds_the_quiet_time_also_after_an_answer_with_nothing_new() -> None:
+    watch = SampleWatch()
+    watch.running(0.0)
+    assert watch.due(0.5)
+    watch.saved(newest=1_000, previous=1_000, wall=1_000.5, next_in=2.0)  # nothing new, but envd said when
+    watch.stopped(1.0)  # counted from the request's start (0.5), not from its answer
+    watch.running(50.0)
+    assert not watch.due(50.0 + 1.5 - NEXT_SAMPLE_MARGIN - 0.01)
+    assert watch.due(50.0 + 1.5 - NEXT_SAMPLE_MARGIN + 0.01)
+    watch.saved(newest=1_060, previous=1_000, wall=1_060.0, next_in=0.0)  # a sample is due any moment
+    assert watch.due(51.6)

@@ -23,6 +23,8 @@ from ..clock import rfc3339
 KEPT_SAMPLES = 720  # as many as envd keeps: an hour at its 5 s interval
 ARCHIVE_FILE = "metrics.json"
 CLOCK_MARGIN = 1.0  # seconds the guest's clock may be ahead of the host's (set by each `/init`)
+# Seconds taken off envd's `next_in`, for a guest clock that runs a little fast against the host's.
+NEXT_SAMPLE_MARGIN = 0.05
 
 
 @dataclass
@@ -32,11 +34,14 @@ class SampleWatch:
     envd takes a sample every `INTERVAL_SECONDS` of its guest's running time, and a guest does
     not run while paused. So a pause need not ask the guest for samples until it has run that
     long since its newest one: pausing again soon after a resume, as a parked agent does, then
-    costs no request to the guest. The guest's running time since its newest sample is bounded
-    from above by the host's clock (the sample's time is the guest's, which each `/init` sets,
+    costs no request to the guest. envd's answer says how long the guest runs before its next
+    sample (`next_in`), which bounds the quiet time exactly, also when the answer held nothing
+    new. An envd that does not say (one started before it could) leaves a bound from what the
+    node knows: the host's clock (the sample's time is the guest's, which each `/init` sets,
     rounded down; `CLOCK_MARGIN` allows for the guest's clock being ahead) and, for a sample
-    taken after the last request, by the running time counted since that request. The count
-    starts before a resume and ends after a pause, so it never falls short of the truth.
+    taken after the last request, the running time counted since that request; an answer with
+    nothing new leaves no quiet time then. The count starts before a resume and ends after a
+    pause, so it never falls short of the truth.
     """
 
     quiet: float = 0.0  # seconds the guest may still run without taking a new sample
@@ -62,10 +67,15 @@ class SampleWatch:
         self._count(now)
         return self.quiet <= 0
 
-    def saved(self, newest: int | None, previous: int | None, wall: float) -> None:
+    def saved(
+        self, newest: int | None, previous: int | None, wall: float, next_in: float | None = None
+    ) -> None:
         """The guest was just asked for its samples: `newest` is now the newest saved (`previous`
-        before the request), as of `wall` (the host's Unix time)."""
-        if newest is not None and newest != previous:
+        before the request), as of `wall` (the host's Unix time); envd's next sample comes after
+        `next_in` seconds of its running time, if it said."""
+        if next_in is not None:
+            self.quiet = next_in - NEXT_SAMPLE_MARGIN
+        elif newest is not None and newest != previous:
             since_newest = wall - newest + CLOCK_MARGIN
             if self.ran is not None:  # the new sample is from after the last request
                 since_newest = min(since_newest, self.ran)

@@ -37,7 +37,7 @@ from ..snapshot.repository import (
     SnapshotExists,
     SnapshotNotFound,
 )
-from ..vmm.envd_link import EnvdUnavailable
+from ..vmm.envd_link import EnvdUnavailable, SampleBatch
 from .admission import Admission, meminfo_mib
 from .errors import NOT_SHARED, Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
 from .interface import CreateRequest
@@ -841,15 +841,15 @@ class Orchestrator:
     def _archive(self, sandbox: Sandbox) -> MetricsArchive:
         return MetricsArchive(self.engine.workdir(sandbox.id))
 
-    async def _live_samples(self, sandbox: Sandbox, start: int | None) -> list[dict[str, Any]]:
+    async def _live_samples(self, sandbox: Sandbox, start: int | None) -> SampleBatch:
         """The samples in the guest's ring since `start`; none without a VM or if envd does not answer."""
         if sandbox.vm is None:
-            return []
+            return SampleBatch([], None)
         try:
             return await sandbox.vm.envd.metrics_history(start)
         except (OSError, RuntimeError, ValueError, KeyError, HTTPException) as exc:
             log.warning("metrics of sandbox %s: envd did not answer: %s", sandbox.id, exc)
-            return []
+            return SampleBatch([], None)
 
     async def _save_samples(self, sandbox: Sandbox) -> None:
         """Before a pause: keep the guest's samples with the sandbox, for while it is paused and
@@ -858,12 +858,12 @@ class Orchestrator:
             return  # the guest has no sample the archive lacks
         archive = self._archive(sandbox)
         previous = newest = archive.newest()
-        samples = await self._live_samples(sandbox, None if newest is None else newest + 1)
-        if samples:
+        batch = await self._live_samples(sandbox, None if newest is None else newest + 1)
+        if batch.samples:
             with contextlib.suppress(OSError):
-                archive.add(samples)
-            newest = max(newest or 0, samples[-1]["ts"])
-        sandbox.samples.saved(newest, previous, time.time())
+                archive.add(batch.samples)
+            newest = max(newest or 0, batch.samples[-1]["ts"])
+        sandbox.samples.saved(newest, previous, time.time(), batch.next_in)
 
     async def metrics(self, sandbox: Sandbox, start: int | None, end: int | None) -> list[dict[str, Any]]:
         """The sandbox's samples with `start <= time <= end` (Unix seconds), oldest first.
@@ -873,7 +873,8 @@ class Orchestrator:
         """
         born = int(_parse(sandbox.record.created_at).timestamp())
         start = born if start is None else max(start, born)
-        live = await self._live_samples(sandbox, start) if sandbox.record.state == State.RUNNING else []
+        running = sandbox.record.state == State.RUNNING
+        live = (await self._live_samples(sandbox, start)).samples if running else []
         samples = merge(self._archive(sandbox).load(), live)
         return [sandbox_metric(s, sandbox.record.cpu_count) for s in between(samples, start, end)]
 

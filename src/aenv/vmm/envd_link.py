@@ -13,7 +13,7 @@ import http.client
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from ..agent.envd import ENVD_PORT
@@ -31,6 +31,13 @@ def utc_timestamp() -> str:
 
 class EnvdUnavailable(RuntimeError):
     """envd did not answer in time."""
+
+
+class SampleBatch(NamedTuple):
+    """An answer of envd's `/metrics/history`."""
+
+    samples: list[dict[str, Any]]
+    next_in: float | None  # seconds the guest runs before its next sample (None: envd did not say)
 
 
 class _GuestHTTPConnection(http.client.HTTPConnection):
@@ -168,7 +175,7 @@ class EnvdLink:
             raise RuntimeError(f"envd /init answered {status}: {answer[:200]!r}")
         return answer
 
-    async def metrics_history(self, start: int | None = None, timeout: float = 5.0) -> list[dict[str, Any]]:
+    async def metrics_history(self, start: int | None = None, timeout: float = 5.0) -> SampleBatch:
         """The resource samples envd kept since `start` (Unix seconds; None: all), oldest first."""
         path = "/metrics/history" if start is None else f"/metrics/history?start={start}"
         status, body = await asyncio.to_thread(
@@ -176,7 +183,9 @@ class EnvdLink:
         )
         if status != 200:
             raise RuntimeError(f"envd /metrics/history answered {status}: {body[:200]!r}")
-        return json.loads(body)["samples"]
+        answer = json.loads(body)
+        next_in = answer.get("next_in")
+        return SampleBatch(answer["samples"], float(next_in) if isinstance(next_in, int | float) else None)
 
     async def run(
         self,

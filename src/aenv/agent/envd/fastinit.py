@@ -124,8 +124,7 @@ class InitFastPath(asyncio.Protocol):
             self._hand_over()
             return False
         self.buffer = buffer[end + 4 :]
-        answer = {"interval": self.history.interval, "samples": self.history.between(*bounds)}
-        return self._reply(JSON_OK, json.dumps(answer).encode(), headers)
+        return self._reply(JSON_OK, json.dumps(self.history.answer(*bounds)).encode(), headers)
 
     def _reply(self, status: bytes, body: bytes, headers: dict[bytes, bytes]) -> bool:
         """Write an answer; False when the request asked to close the connection."""

@@ -93,6 +93,7 @@ class MetricsHistory:
         self.interval = interval
         self.samples: collections.deque[Sample] = collections.deque(maxlen=kept)
         self._before_oldest: Sample | None = None  # the predecessor of the oldest kept sample
+        self._next_at: float | None = None  # monotonic time of the next sample
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -110,12 +111,26 @@ class MetricsHistory:
                 self.add(take())
             except Exception:  # a sampler bug must not end the history
                 log.exception("taking a metrics sample failed")
+            self._next_at = time.monotonic() + self.interval
             await asyncio.sleep(self.interval)
 
     def add(self, sample: Sample) -> None:
         if len(self.samples) == self.samples.maxlen:
             self._before_oldest = self.samples[0]
         self.samples.append(sample)
+
+    def answer(self, start: int | None, end: int | None) -> dict[str, Any]:
+        """The body of `/metrics/history`: the samples `between` the bounds, the interval, and
+        `next_in`, the seconds of running time until the next sample.
+
+        The guest's monotonic clock stands still while the VM is stopped, so `next_in` tells the
+        node exactly how long the guest may run before it holds a sample the node has not seen:
+        until then, a pause need not ask again (`aenv.orchestrator.metrics.SampleWatch`).
+        """
+        body: dict[str, Any] = {"interval": self.interval, "samples": self.between(start, end)}
+        if self._next_at is not None:
+            body["next_in"] = round(max(self._next_at - time.monotonic(), 0.0), 3)
+        return body
 
     def between(self, start: int | None, end: int | None) -> list[dict[str, Any]]:
         """The kept samples with `start <= ts <= end` (Unix seconds; None: unbounded), oldest first."""

@@ -187,6 +187,4 @@ class SystemAPI:
             )
         except ValueError:
             return json_error(400, "start and end must be integer Unix seconds")
-        return web.json_response(
-            {"interval": self.history.interval, "samples": self.history.between(start, end)}
-        )
+        return web.json_response(self.history.answer(start, end))
