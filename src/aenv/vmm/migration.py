@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,6 +33,9 @@ from .launcher import create_upper_layer
 from .machine import VirtualMachine, VMError
 
 _IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]
+# fd set ids for the files passed to QEMU: above the few a QEMU's command line uses (the serial
+# log's is 1), below 2^31 (QEMU parses `/dev/fdset/N` as an int).
+_FDSET_FIRST, _FDSET_IDS = 1 << 16, 1 << 30
 
 
 class MigrationError(VMError):
@@ -55,22 +59,6 @@ async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
         await vm.command("cont")
     elif status != "running":  # QEMU starts the guest by itself once the state is loaded
         raise MigrationError(f"loading the device state failed: QEMU is {status}")
-
-
-@contextlib.asynccontextmanager
-async def _passed_file(vm: VirtualMachine, path: Path) -> AsyncIterator[int]:
-    """`path` opened for writing by the node and passed to QEMU; yields the fd set QEMU finds it in."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    fdset: int | None = None
-    try:
-        vm.qmp.send_fd_scm(fd)
-        fdset = (await vm.command("add-fd"))["fdset-id"]
-        yield fdset
-    finally:
-        os.close(fd)
-        if fdset is not None:
-            with contextlib.suppress(VMError):
-                await vm.command("remove-fd", **{"fdset-id": fdset})
 
 
 async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
@@ -98,9 +86,29 @@ async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
 
 
 async def capture_devices(vm: VirtualMachine, devices: Path) -> None:
-    """With the guest stopped: its device sections alone (no RAM), as `migrate-incoming` reads them."""
-    async with _passed_file(vm, devices) as fdset:
-        await vm.command("xen-save-devices-state", filename=f"/dev/fdset/{fdset}", live=False)
+    """With the guest stopped: its device sections alone (no RAM), as `migrate-incoming` reads them.
+
+    The node opens the file and passes it to QEMU in an fd set whose id it picks (at random, so
+    that no set left behind by an earlier node process is reused). Knowing the id beforehand,
+    it sends the three commands (add the file to the set, save into it, remove the set) at once:
+    QEMU runs a monitor's commands in the order they came, and they cost one round trip instead
+    of three (each is ~0.45 ms through the QMP client here, against 0.1 ms on a raw socket).
+    """
+    fdset = secrets.randbelow(_FDSET_IDS) + _FDSET_FIRST
+    fd = os.open(devices, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        vm.qmp.send_fd_scm(fd)
+        added, saved, _ = await asyncio.gather(
+            vm.command("add-fd", **{"fdset-id": fdset}),
+            vm.command("xen-save-devices-state", filename=f"/dev/fdset/{fdset}", live=False),
+            vm.command("remove-fd", **{"fdset-id": fdset}),  # fails only where add-fd did
+            return_exceptions=True,
+        )
+    finally:
+        os.close(fd)
+    for outcome in (added, saved):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 async def stop(vm: VirtualMachine) -> None:
