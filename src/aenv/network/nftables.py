@@ -13,8 +13,8 @@ so the library must not run in the node's process. It runs in one long-lived hel
 (`python -m aenv.network.nftables`), which holds a handful of descriptors. The node starts it
 on its first load, and again on the next load after it exited. Each request is one JSON line
 on the helper's stdin (`netns`, `script`), each answer one JSON line on its stdout (`error`,
-null when the script was loaded). The helper ends when its stdin closes, which is when the node exits.
-The loads go one at a time, from one thread of the node.
+null when the script was loaded). The helper ends when its stdin closes, which is when the
+node exits. The loads go one at a time, from one thread of the node.
 """
 
 from __future__ import annotations
