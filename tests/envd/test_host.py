@@ -584,9 +584,11 @@ def test_the_nodes_metrics_history_is_answered_before_aiohttp(tmp_path):
 
 
 def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
-    """A resume's /init repeats the sandbox's settings: the store is left as it is; a change is kept."""
+    """A resume's /init repeats the sandbox's settings: the store is left as it is; a change is kept
+    (written right after the answer went out, so the test waits for it)."""
     store = tmp_path / "run" / "envd.json"
     with run_envd(tmp_path / "envd", token="the-token", env_vars={"K": "v"}, state_file=store) as envd:
+        wait_for(lambda: store.exists(), timeout=5)
         written = store.stat().st_mtime_ns
         os.utime(store, ns=(written - 10**9, written - 10**9))
         body = {"accessToken": "the-token", "envVars": {"K": "v"}, "timestamp": datetime.now(UTC).isoformat()}
@@ -595,4 +597,4 @@ def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
         assert store.stat().st_mtime_ns == written - 10**9
         body["envVars"] = {"K": "w"}
         assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
-        assert json.loads(store.read_bytes())["env_vars"] == {"K": "w"}
+        wait_for(lambda: json.loads(store.read_bytes())["env_vars"] == {"K": "w"}, timeout=5)

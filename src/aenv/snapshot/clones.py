@@ -122,15 +122,18 @@ class Clones:
         network: SandboxNetwork,
         init: GuestInit,
         envd: EnvdLink | None = None,
+        *,
+        reseed: bool = True,
     ) -> SandboxVM:
-        """`/init` a running guest as this sandbox (token, variables, clock, entropy) and record it.
+        """`/init` a running guest as this sandbox (token, variables, clock, entropy unless
+        `reseed` is off: see `GuestInit.payload`) and record it.
 
         `envd` is the guest's existing link, whose kept-alive connection makes `/init` cheaper.
         """
         envd = envd or EnvdLink(network)
         envd.access_token = init.access_token
         try:
-            await envd.init(init.payload(), timeout=30)
+            await envd.init(init.payload(reseed=reseed), timeout=30)
         except BaseException:
             await vm.kill()
             network.destroy()

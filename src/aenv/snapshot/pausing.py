@@ -183,7 +183,7 @@ class Pauses:
         try:
             await sandbox.vm.command("cont")
             sandbox.envd.access_token = init.access_token
-            await sandbox.envd.init(init.payload(), timeout=30)
+            await sandbox.envd.init(init.payload(reseed=False), timeout=30)
         except BaseException:
             if sandbox.state.delta is not None or not sandbox.vm.alive():
                 await self.end_process(sandbox)  # a later resume starts from the pause on disk

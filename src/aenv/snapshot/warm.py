@@ -62,9 +62,9 @@ class WarmVMs:
     async def spawn(self, snapshot_id: str) -> WarmVM:
         """A restored, running guest for the pool that has no identity yet.
 
-        Its envd has answered once, so the code paths of the first request are already warm
-        (under TCG: translated); taking it costs one `/init` that gives it the sandbox's token,
-        variables, clock and entropy.
+        Its envd has answered once, which gave its RNG fresh entropy and warmed the code paths of
+        the first request (under TCG: translated); taking it costs one `/init` that gives it the
+        sandbox's token, variables and clock.
         """
         host = self.host
         entry_id = "w" + secrets.token_hex(6)
@@ -127,4 +127,7 @@ class WarmVMs:
         warm.vm.workdir = workdir
         if warm.network.policy != policy and self.host.networks is not None:
             await warm.network.apply_policy(policy)
-        return await self.clones.identify(state, manifest, warm.vm, warm.network, init, warm.envd)
+        # reseeded when it was spawned (`spawn`)
+        return await self.clones.identify(
+            state, manifest, warm.vm, warm.network, init, warm.envd, reseed=False
+        )
