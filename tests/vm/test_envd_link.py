@@ -15,7 +15,7 @@ class ScriptedLink(EnvdLink):
         self.outcomes = outcomes
         self.timestamps: list[str] = []
 
-    def _request(self, method, path, *, body=None, headers=None, timeout=5.0):
+    async def _request(self, method, path, *, body=b"", headers=None, timeout=5.0):
         import json
 
         self.timestamps.append(json.loads(body)["timestamp"])

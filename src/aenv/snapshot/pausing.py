@@ -180,10 +180,9 @@ class Pauses:
         the disk; if that fails, the sandbox stays paused (from disk, or paused again)."""
         sandbox = parked.sandbox
         await parked.end_capture()  # the live process is the state now
+        sandbox.envd.access_token = init.access_token
         try:
-            await sandbox.vm.command("cont")
-            sandbox.envd.access_token = init.access_token
-            await sandbox.envd.init(init.payload(reseed=False), timeout=30)
+            await _cont_and_init(sandbox, init)
         except BaseException:
             if sandbox.state.delta is not None or not sandbox.vm.alive():
                 await self.end_process(sandbox)  # a later resume starts from the pause on disk
@@ -196,6 +195,18 @@ class Pauses:
         sandbox.state.paused = False
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
         return sandbox
+
+
+async def _cont_and_init(sandbox: SandboxVM, init: GuestInit) -> None:
+    """`cont` a stopped guest and `/init` it, the request sent alongside the command: it waits in
+    the tap's queue until the guest runs, which saves the host a round trip with QEMU (~1 ms)."""
+    answered = asyncio.ensure_future(sandbox.envd.init(init.payload(reseed=False), timeout=30))
+    try:
+        await sandbox.vm.command("cont")
+    except BaseException:
+        answered.cancel()  # it closes its connection as it ends
+        raise
+    await answered
 
 
 async def write_out_files(sandbox: SandboxVM) -> None:
