@@ -131,7 +131,8 @@ def test_killing_a_parked_sandbox_ends_its_process(base_template, engine, parkin
 def test_restarted_node_saves_a_parked_sandbox_it_finds(
     base_template, engine, parking, node_home, guest_artifacts, sandboxes
 ):
-    """A node that died before writing a parked sandbox's pages: the next one captures them."""
+    """A node that died before writing a parked sandbox's device state and pages: the next one
+    captures them from the stopped process."""
     sandbox = sandboxes.start(base_template.id)
     mark = secrets.token_hex(8)
     keeper_pid = start_keeper(sandbox.sdk(), mark)
@@ -152,13 +153,14 @@ def test_restarted_node_saves_a_parked_sandbox_it_finds(
         sandboxes.node.run(captured())
         state = engine.load_state(sandbox.sandbox_id)
         os.unlink(state.delta)  # as if it had died before the capture
-        state.delta = None
+        os.unlink(state.devices)
+        state.delta = state.devices = None
         state.save(engine.workdir(sandbox.sandbox_id))
 
         sandboxes.node.run(restarted.settle_paused(restarted.load_state(sandbox.sandbox_id)))
         wait_for(lambda: not alive(qemu_pid), timeout=10)
         state = restarted.load_state(sandbox.sandbox_id)
-        assert state.pid is None and state.delta is not None
+        assert state.pid is None and state.delta is not None and state.devices is not None
         parked.sandbox.guest.network.destroy()  # a node's network pool removes it at start
         token = secrets.token_hex(8)
         vm = sandboxes.node.run(restarted.resume(state, GuestInit(access_token=token)))

@@ -2,8 +2,8 @@
 
 A resume from disk spawns a new QEMU process, and under TCG a new process translates the
 guest's code afresh: the guest spends about half a second of CPU before envd answers. A kept
-process resumes in milliseconds. Pausing still makes the sandbox durable (its device state at
-once, its changed pages right after, in the background), so ending a kept process loses
+process resumes in milliseconds. Pausing still makes the sandbox durable (its device state and
+changed pages right after the pause returns, in the background), so ending a kept process loses
 nothing; the lot ends them by age, by count and when the host runs short of memory, which is
 what keeps parked sandboxes cheap in the long run.
 """
@@ -40,8 +40,8 @@ class ParkingPolicy:
 class ParkedVM:
     """A paused sandbox with its stopped QEMU process.
 
-    `capture` reads the pages the guest changed, then flushes them to the disk. `read` is set
-    once it no longer reads the guest's memory, whatever the outcome. `stop` (set by
+    `capture` saves the guest's device state and reads the pages it changed, then flushes them
+    to the disk. `read` is set once it no longer reads the guest's state, whatever the outcome. `stop` (set by
     `end_capture`) ends it early, for a resume, kill or memory drop that no longer needs the pause
     on disk.
     """
@@ -52,8 +52,8 @@ class ParkedVM:
     read: asyncio.Event
 
     async def end_capture(self) -> None:
-        """Stop the capture and wait until it no longer reads the guest's memory: the guest must
-        not run, nor its process end, while its pages are being read. A flush already under way
+        """Stop the capture and wait until it no longer reads the guest's state: the guest must
+        not run, nor its process end, while its devices or pages are being read. A flush already under way
         is not waited for: the capture discards its file after it (the lot's `close` waits)."""
         self.stop.set()
         await self.read.wait()

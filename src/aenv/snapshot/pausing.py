@@ -2,9 +2,9 @@
 
 A pause writes the sandbox's device state and changed pages next to its saved state, and ends
 its QEMU process. With parking on (`aenv.snapshot.parking`) the process is kept instead: the
-pause returns once the device state is written, the pages follow in the background, and a
-resume before the lot lets the process go is a `cont`. Either way the pause is on disk, so the
-process can end at any time without losing anything.
+pause returns once the guest is stopped and that is recorded, the device state and pages follow
+in the background, and a resume before the lot lets the process go is a `cont`. Either way the
+pause reaches the disk, so the process can end at any time after that without losing anything.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ..vmm import migration
@@ -42,38 +43,44 @@ class Pauses:
     async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
         """Stop the sandbox and save it to disk; a resume continues it exactly.
 
-        With parking on, the stopped QEMU process is kept: the call returns once the device
-        state is saved, and the changed pages are written right after, in the background.
-        Otherwise both are written before the process ends. Without `memory`, only the disk
-        is kept (`pause_disk`).
+        With parking on, the stopped QEMU process is kept (`_park`): the call returns once that
+        is recorded, and the device state and changed pages are written right after, in the
+        background. Otherwise both are written before the process ends. Without `memory`, only
+        the disk is kept (`pause_disk`).
         """
         if not memory:
             return await self.pause_disk(sandbox)
         workdir = self.host.workdir(sandbox.sandbox_id)
         state = sandbox.state
         stem = f"pause-{time.time_ns()}"
-        park = self.lot.accepts()
-        async with migration.stopped(sandbox.vm, resume=False):
-            if park:
-                devices = workdir / f"{stem}.devices"
-                await migration.capture_devices(sandbox.vm, devices)
-            else:
-                devices, delta = await self.clones.capture(sandbox, workdir, stem)
         previous = [state.delta, state.devices]
+        if self.lot.accepts():
+            return await self._park(sandbox, workdir, stem, previous)
+        async with migration.stopped(sandbox.vm, resume=False):
+            devices, delta = await self.clones.capture(sandbox, workdir, stem)
         state.paused, state.devices = True, str(devices)
-        if park:
-            # Until the capture is done the state names no delta, and the live process holds
-            # the memory: a restarted node finds it through `pid` and captures it (`settle_paused`).
-            state.delta = None
-            state.save(workdir)
-            parked = self._start_capture(sandbox, workdir / f"{stem}.delta", previous)
-            self.lot.park(sandbox.sandbox_id, parked)
-            return state
         state.delta, state.pid = str(delta.path), None
         state.save(workdir)
         await sandbox.guest.destroy(keep_files=True)
         self.on_saved(state, sandbox.manifest)
         await asyncio.to_thread(_unlink, previous)
+        return state
+
+    async def _park(
+        self, sandbox: SandboxVM, workdir: Path, stem: str, previous: list[str | None]
+    ) -> SandboxState:
+        """Stop the guest and keep its process, which holds the pause from then on: nothing in
+        a stopped guest changes, so its state can be read after the call returns, as its pages
+        always were. Until the capture is done the saved state names neither file, so a node
+        restarted meanwhile finds the process through `pid` and captures it (`settle_paused`);
+        the process ending before that loses the pause, as it did before its pages were written.
+        """
+        state = sandbox.state
+        async with migration.stopped(sandbox.vm, resume=False):
+            replace(state, paused=True, devices=None, delta=None).save(workdir)
+        state.paused, state.devices, state.delta = True, None, None
+        parked = self._start_capture(sandbox, workdir / stem, previous)
+        self.lot.park(sandbox.sandbox_id, parked)
         return state
 
     async def pause_disk(self, sandbox: SandboxVM) -> SandboxState:
@@ -105,32 +112,39 @@ class Pauses:
             await self.end_process(parked.sandbox)
         self.forget_memory(self.host.load_state(sandbox_id))
 
-    def _start_capture(self, sandbox: SandboxVM, delta: Path, previous: list[str | None]) -> ParkedVM:
-        """The parked sandbox, with its changed pages being written to `delta` in the background."""
+    def _start_capture(self, sandbox: SandboxVM, stem: Path, previous: list[str | None]) -> ParkedVM:
+        """The parked sandbox, with its device state and changed pages being written to
+        `<stem>.devices` and `<stem>.delta` in the background."""
         stop, read = threading.Event(), asyncio.Event()
-        capture = asyncio.create_task(self._capture_parked(sandbox, delta, previous, stop, read))
+        capture = asyncio.create_task(self._capture_parked(sandbox, stem, previous, stop, read))
         return ParkedVM(sandbox, capture, stop, read)
 
     async def _capture_parked(
         self,
         sandbox: SandboxVM,
-        delta: Path,
+        stem: Path,
         previous: list[str | None],
         stop: threading.Event,
         read: asyncio.Event,
     ) -> None:
-        """The changed pages of a parked sandbox, after its pause returned; never raises.
+        """The device state and changed pages of a parked sandbox, after its pause returned;
+        never raises.
 
-        The pages are read into the file first, then flushed to the disk; `read` is set between
-        the two. A resume, kill or memory drop that comes first sets `stop`: the pause need not
-        reach the disk then, so the reading ends early, or the file is discarded after its flush.
-        The resume waits only for the reading, since the guest must not run while its pages are
-        read, and not for the flush (40-50 ms for 85 MiB here) nor for the removal of files (a
-        large file's unlink took 25 ms). The files of the pause before it go once the sandbox
-        no longer needs them, as after a capture.
+        The device state is saved first, then the pages are read into a file and flushed to the
+        disk; `read` is set once the guest's state is no longer being read. A resume, kill or
+        memory drop that comes first sets `stop`: the pause need not reach the disk then, so the
+        reading ends early, or the files are discarded after their flush. The resume waits only
+        for the reading, since the guest must not run while its state is read, and not for the
+        flush (40-50 ms for 85 MiB here) nor for the removal of files (a large file's unlink
+        took 25 ms). The files of the pause before it go once the sandbox no longer needs them,
+        as after a capture.
         """
+        devices, delta = stem.with_suffix(".devices"), stem.with_suffix(".delta")
+        files = [str(devices), str(delta)]
         try:
             try:
+                if not stop.is_set():
+                    await migration.capture_devices(sandbox.vm, devices)
                 await self.clones.capture_memory(
                     sandbox.vm.pid, sandbox.manifest, delta, sync=False, stop=stop
                 )
@@ -141,15 +155,15 @@ class Pauses:
         except memory.CaptureStopped:
             pass
         except Exception as exc:  # logged, and the process kept: the pause is not on disk yet
-            await asyncio.to_thread(delta.unlink, missing_ok=True)
-            log.error("saving the memory of paused sandbox %s failed, its process is kept: %s",
+            await asyncio.to_thread(_unlink, files)
+            log.error("saving the state of paused sandbox %s failed, its process is kept: %s",
                       sandbox.sandbox_id, exc)  # fmt: skip
             return
         if stop.is_set():
-            log.debug("saving the memory of paused sandbox %s stopped: not needed", sandbox.sandbox_id)
-            await asyncio.to_thread(_unlink, [str(delta), *previous])
+            log.debug("saving the state of paused sandbox %s stopped: not needed", sandbox.sandbox_id)
+            await asyncio.to_thread(_unlink, [*files, *previous])
             return
-        sandbox.state.delta = str(delta)
+        sandbox.state.devices, sandbox.state.delta = files
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
         self.on_saved(sandbox.state, sandbox.manifest)
         await asyncio.to_thread(_unlink, previous)
@@ -159,8 +173,8 @@ class Pauses:
         sandbox = parked.sandbox
         await parked.capture
         if sandbox.state.delta is None:  # the capture failed: try again, and keep the process if it fails
-            delta = self.host.workdir(sandbox.sandbox_id) / f"pause-{time.time_ns()}.delta"
-            retry = self._start_capture(sandbox, delta, [])
+            stem = self.host.workdir(sandbox.sandbox_id) / f"pause-{time.time_ns()}"
+            retry = self._start_capture(sandbox, stem, [])
             await retry.capture
             if sandbox.state.delta is None:
                 if not self.lot.closed:

@@ -20,11 +20,13 @@ from pathlib import Path
 
 from ..network.netns import SandboxNetwork
 from ..storage.layers import LayerStore
+from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import GuestVM
 from ..vmm.machine import VirtualMachine
 from .clones import Clones
 from .host import Host
+from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, SandboxState, SandboxVM
 from .warm import WarmRecord
 
@@ -125,23 +127,41 @@ class Recovery:
     async def settle_paused(self, state: SandboxState) -> None:
         """A sandbox paused by a node process that ended while it was parked.
 
-        Its QEMU process may have outlived that node; if the pause's pages were not written yet,
-        they are captured from it now. Either way the process is ended.
+        Its QEMU process may have outlived that node; if the pause's device state or pages were
+        not written yet, they are captured from it now (it is stopped). Either way the process
+        is ended.
         """
         if not state.paused or state.pid is None:
             return
         host = self.host
         workdir = host.workdir(state.sandbox_id)
-        if state.delta is None:
+        if state.devices is None or state.delta is None:
             if not is_our_vm(host.layers, state.pid, state.disk_layers):
                 raise EngineError(f"paused sandbox {state.sandbox_id} lost its memory with its QEMU process")
             manifest = host.repository.leased(state.snapshot_id, state.sandbox_id)
-            delta = workdir / f"pause-{time.time_ns()}.delta"
-            await self.clones.capture_memory(state.pid, manifest, delta)
-            state.delta = str(delta)
+            stem = workdir / f"pause-{time.time_ns()}"
+            if state.devices is None:
+                await self._capture_devices(state, manifest, stem.with_suffix(".devices"))
+            if state.delta is None:
+                delta = stem.with_suffix(".delta")
+                await self.clones.capture_memory(state.pid, manifest, delta)
+                state.delta = str(delta)
         kill_stray(host.layers, state.pid, state.disk_layers)
         state.pid = None
         state.save(workdir)
+
+    async def _capture_devices(self, state: SandboxState, manifest: SnapshotManifest, devices: Path) -> None:
+        """Save the device state of a paused sandbox's stopped QEMU, through its recovery monitor."""
+        assert state.pid is not None
+        workdir = self.host.workdir(state.sandbox_id)
+        config = self.clones.config(manifest, state.disk_layers[-1])
+        vm = await VirtualMachine.adopt(config, workdir, state.pid)
+        try:
+            await migration.capture_devices(vm, devices)
+        finally:
+            with contextlib.suppress(Exception):
+                await vm.qmp.disconnect()
+        state.devices = str(devices)
 
     def cleanup_warm_leftovers(self) -> int:
         """End the warm VMs of a node process that did not stop cleanly; returns how many."""
