@@ -3,8 +3,9 @@
 Each sample is wall clock from the client's request to the node's response. The node answers
 create, resume (connect), and fork only after every guest's envd has answered its `/init`, so
 that response is the moment the sandbox is usable; pause and snapshot answer once the node has
-saved what it needs (a node may keep a paused sandbox's stopped QEMU process and write its device
-state and pages afterwards: the pause figure says whether it did). Guests are prepared through the node's proxy.
+saved what it needs (a node may keep a paused sandbox's stopped QEMU process and write its
+device state and pages afterwards: the pause figure says whether it did). Guests are prepared
+through the node's proxy.
 """
 
 from __future__ import annotations

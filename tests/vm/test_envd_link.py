@@ -1,11 +1,14 @@
-"""EnvdLink.init's retries, with the guest's HTTP exchange replaced by a script of outcomes."""
+"""EnvdLink without a guest: init's retries against a script of outcomes, its connections
+against a loopback server."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
+from aenv.vmm import envd_link
 from aenv.vmm.envd_link import EnvdLink
 
 
@@ -39,3 +42,65 @@ def test_init_does_not_retry_past_its_timeout_or_a_timed_out_request() -> None:
         asyncio.run(ScriptedLink([ConnectionRefusedError()] * 100).init({"timestamp": "x"}, timeout=0.2))
     with pytest.raises(RuntimeError, match="answered 401"):
         asyncio.run(ScriptedLink([(401, b"no")]).init({"timestamp": "x"}, timeout=5))
+
+
+class LoopbackNetwork:
+    """A sandbox network whose sockets are plain loopback ones (the guest's address patched)."""
+
+    def socket(self) -> socket.socket:
+        sock = socket.socket()
+        sock.setblocking(False)
+        return sock
+
+
+def test_a_kept_alive_connection_envd_closed_is_replaced(monkeypatch) -> None:
+    """Requests reuse one connection; once envd closes it, the next request opens a new one."""
+    answered: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = len(answered)
+        answered.append(0)
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            answered[connection] += 1
+            if answered[connection] == 2:  # as envd drops an idle connection
+                writer.close()
+                return
+
+    async def scenario() -> list[int]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        monkeypatch.setattr(envd_link, "GUEST_ADDRESS", "127.0.0.1")
+        monkeypatch.setattr(envd_link, "ENVD_PORT", server.sockets[0].getsockname()[1])
+        link = EnvdLink(LoopbackNetwork())  # type: ignore[arg-type]
+        try:
+            return [(await link._request("GET", "/health"))[0] for _ in range(4)]
+        finally:
+            link.close()
+            server.close()
+
+    assert asyncio.run(scenario()) == [204] * 4
+    assert answered == [2, 2]
+
+
+def test_init_retries_a_connection_closed_before_its_answer(monkeypatch) -> None:
+    """A guest that drops the connection unanswered (its envd restarting) is asked again."""
+    connections: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(await reader.readuntil(b"\r\n\r\n"))
+        if len(connections) > 1:
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        monkeypatch.setattr(envd_link, "GUEST_ADDRESS", "127.0.0.1")
+        monkeypatch.setattr(envd_link, "ENVD_PORT", server.sockets[0].getsockname()[1])
+        try:
+            await EnvdLink(LoopbackNetwork()).init({"envVars": {}}, timeout=5)  # type: ignore[arg-type]
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
+    assert len(connections) == 2 and all(c.startswith(b"POST /init HTTP/1.1\r\n") for c in connections)

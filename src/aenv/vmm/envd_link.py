@@ -92,9 +92,16 @@ class _Connection:
         return b"".join([chunk async for chunk in self.chunks()])
 
     async def _event(self) -> h11.Event | type[h11.PAUSED]:
-        while (event := self.http.next_event()) is h11.NEED_DATA:
-            async with asyncio.timeout(self.timeout):
-                self.http.receive_data(await self.reader.read(READ_SIZE))  # b"": closed
+        """The next event; a connection envd closed before answering whole is a
+        `ConnectionResetError`, as a socket's would be (and a kept-alive one is replaced)."""
+        try:
+            while (event := self.http.next_event()) is h11.NEED_DATA:
+                async with asyncio.timeout(self.timeout):
+                    self.http.receive_data(await self.reader.read(READ_SIZE))  # b"": closed
+        except h11.RemoteProtocolError as exc:
+            if self.reader.at_eof():
+                raise ConnectionResetError(f"envd closed the connection: {exc}") from exc
+            raise
         return event
 
     def reusable(self) -> bool:
