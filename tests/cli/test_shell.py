@@ -104,7 +104,11 @@ def test_interactive_shell(cli: CLI, sandbox: str) -> None:
         term.send(b"\x03")  # Ctrl-C reaches the remote sleep, not the CLI
         term.expect(b"READY> ")
         assert time.monotonic() - started < 30
-        term.send(b"cat\r")
+        # Typed once bash has run the line (the echo shows it): keys that arrive while bash hands
+        # the terminal back from readline can be taken in readline's mode (no CR to NL), and cat
+        # then waits for a line forever.
+        term.send(b"echo cat-$((2 + 3)); cat\r")
+        term.expect(b"cat-5\r\n")
         term.send(b"typed\r")
         term.expect(b"typed\r\n")
         term.send(b"\x04")  # Ctrl-D ends remote cat, the shell stays

@@ -196,8 +196,9 @@ class Pauses:
         await parked.end_capture()  # the live process is the state now
         sandbox.envd.access_token = init.access_token
         try:
-            await _cont_and_init(sandbox, init)
+            await _cont_and_init(sandbox, init, self.host.workdir(sandbox.sandbox_id))
         except BaseException:
+            sandbox.state.paused = True  # saved by either way out
             if sandbox.state.delta is not None or not sandbox.vm.alive():
                 await self.end_process(sandbox)  # a later resume starts from the pause on disk
             else:  # the pause never reached the disk: pause again where the guest is now
@@ -206,17 +207,19 @@ class Pauses:
                 except Exception:  # the resume's own error is the one to report
                     log.exception("pausing %s again after a failed resume failed", sandbox.sandbox_id)
             raise
-        sandbox.state.paused = False
-        sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
         return sandbox
 
 
-async def _cont_and_init(sandbox: SandboxVM, init: GuestInit) -> None:
-    """`cont` a stopped guest and `/init` it, the request sent alongside the command: it waits in
-    the tap's queue until the guest runs, which saves the host a round trip with QEMU (~1 ms)."""
+async def _cont_and_init(sandbox: SandboxVM, init: GuestInit, workdir: Path) -> None:
+    """`cont` a stopped guest and `/init` it. The request is sent alongside the command: it
+    waits in the tap's queue until the guest runs, which saves the host a round trip with QEMU
+    (~1 ms). The guest runs once `cont` is answered, and its state file says so from then on,
+    written while the guest answers `/init`."""
     answered = asyncio.ensure_future(sandbox.envd.init(init.payload(reseed=False), timeout=30))
     try:
         await sandbox.vm.command("cont")
+        sandbox.state.paused = False
+        sandbox.state.save(workdir)
     except BaseException:
         answered.cancel()  # it closes its connection as it ends
         raise

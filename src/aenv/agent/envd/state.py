@@ -7,7 +7,6 @@ defaults instead of coming back open to anyone and without the sandbox's variabl
 
 from __future__ import annotations
 
-import copy
 import hmac
 import json
 import logging
@@ -46,8 +45,8 @@ class State:
     store: Path | None = None
 
     def persisted(self) -> dict[str, object]:
-        """What `save` keeps, as a copy (so it can be compared with later)."""
-        return {name: copy.copy(getattr(self, name)) for name in PERSISTED}
+        """What `save` keeps."""
+        return {name: getattr(self, name) for name in PERSISTED}
 
     def save(self) -> None:
         """Write the `/init` settings to the store (atomically, readable by root only)."""
