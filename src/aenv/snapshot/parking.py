@@ -41,9 +41,9 @@ class ParkedVM:
     """A paused sandbox with its stopped QEMU process.
 
     `capture` saves the guest's device state and reads the pages it changed, then flushes them
-    to the disk. `read` is set once it no longer reads the guest's state, whatever the outcome. `stop` (set by
-    `end_capture`) ends it early, for a resume, kill or memory drop that no longer needs the pause
-    on disk.
+    to the disk. `read` is set once it no longer reads the guest's state, whatever the outcome.
+    `stop` (set by `end_capture`) ends it early, for a resume, kill or memory drop that no longer
+    needs the pause on disk.
     """
 
     sandbox: SandboxVM
@@ -53,8 +53,9 @@ class ParkedVM:
 
     async def end_capture(self) -> None:
         """Stop the capture and wait until it no longer reads the guest's state: the guest must
-        not run, nor its process end, while its devices or pages are being read. A flush already under way
-        is not waited for: the capture discards its file after it (the lot's `close` waits)."""
+        not run, nor its process end, while its devices or pages are being read. A flush already
+        under way is not waited for: the capture discards its files after it (the lot's `close`
+        waits)."""
         self.stop.set()
         await self.read.wait()
 
