@@ -16,7 +16,7 @@ import httpx
 
 from .. import __version__
 from ..agent.envd import ENVD_PORT
-from ..agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
+from ..agent.envd.connect import FLAG_END_STREAM, envelope, envelopes
 from .api import unreachable
 from .config import CLIError
 
@@ -121,20 +121,12 @@ class Envd:
         try:
             if response.status_code != 200:
                 raise _error(self.sandbox_id, response, await response.aread())
-            buffer = b""
-            async for chunk in response.aiter_bytes():
-                buffer += chunk
-                while len(buffer) >= ENVELOPE_HEADER:
-                    flags, size = envelope_header(buffer[:ENVELOPE_HEADER])
-                    if len(buffer) < ENVELOPE_HEADER + size:
-                        break
-                    message = json.loads(buffer[ENVELOPE_HEADER : ENVELOPE_HEADER + size] or b"{}")
-                    buffer = buffer[ENVELOPE_HEADER + size :]
-                    if flags & FLAG_END_STREAM:
-                        if error := message.get("error"):
-                            raise EnvdError(str(error.get("code")), str(error.get("message")))
-                        return
-                    yield message
+            async for flags, message in envelopes(response.aiter_bytes()):
+                if flags & FLAG_END_STREAM:
+                    if error := message.get("error"):
+                        raise EnvdError(str(error.get("code")), str(error.get("message")))
+                    return
+                yield message
             raise EnvdError("unavailable", f"the connection to sandbox {self.sandbox_id} was cut")
         finally:
             await response.aclose()

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import h11
 
 from ..agent.envd import ENVD_PORT
-from ..agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
+from ..agent.envd.connect import FLAG_END_STREAM, envelope, envelopes
 from ..clock import rfc3339
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 
@@ -307,7 +307,7 @@ class EnvdLink:
             if response.status_code != 200:
                 answer = await conn.body()
                 raise RuntimeError(f"envd Start answered {response.status_code}: {answer[:200]!r}")
-            async for flags, frame in _frames(conn.chunks()):
+            async for flags, frame in envelopes(conn.chunks()):
                 if flags & FLAG_END_STREAM:
                     if "error" in frame:
                         raise RuntimeError(f"envd Start failed: {frame['error']}")
@@ -323,17 +323,3 @@ class EnvdLink:
             raise RuntimeError("envd Start ended without an end event")
         finally:
             conn.close()
-
-
-async def _frames(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """The Connect envelopes in a streamed body: each one's flags and JSON message."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        while len(buffer) >= ENVELOPE_HEADER:
-            flags, size = envelope_header(buffer[:ENVELOPE_HEADER])
-            end = ENVELOPE_HEADER + size
-            if len(buffer) < end:
-                break
-            yield flags, json.loads(buffer[ENVELOPE_HEADER:end] or b"{}")
-            buffer = buffer[end:]

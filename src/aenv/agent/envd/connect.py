@@ -7,7 +7,7 @@ import errno
 import json
 import logging
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -99,6 +99,21 @@ def envelope_header(header: bytes) -> tuple[int, int]:
     """The flags and payload length of an envelope's header."""
     flags, length = struct.unpack(">BI", header)
     return flags, length
+
+
+async def envelopes(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[int, Message]]:
+    """The envelopes of a streamed body, as it arrives in chunks: each one's flags and JSON
+    message (the host's envd clients read responses with it)."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while len(buffer) >= ENVELOPE_HEADER:
+            flags, size = envelope_header(buffer[:ENVELOPE_HEADER])
+            end = ENVELOPE_HEADER + size
+            if len(buffer) < end:
+                break
+            yield flags, json.loads(buffer[ENVELOPE_HEADER:end] or b"{}")
+            buffer = buffer[end:]
 
 
 def encode_message(msg: Message) -> bytes:
