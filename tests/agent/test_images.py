@@ -54,3 +54,14 @@ def test_children_use_the_image_s_libraries_and_environment(sandbox, image_name)
     if image_name == "musl":
         banner = sandbox.commands.run("/lib/ld-musl-x86_64.so.1 2>&1; true").stdout
         assert banner.startswith("musl libc (x86_64)")
+
+
+def test_envd_loads_only_the_shipped_libraries(sandbox):
+    """Every library envd maps is the tools drive's, with its C extensions among them: a library
+    taken from the image (another glibc's libpthread) fails against the shipped libc."""
+    maps = sandbox.commands.run("cat /proc/$PPID/maps", user="root").stdout
+    files = {line.split()[5] for line in maps.splitlines() if len(line.split()) == 6}
+    libraries = {path for path in files if ".so" in path}
+    assert libraries and all(path.startswith("/opt/aenv/") for path in libraries), libraries
+    for extension in ("uvloop/loop.", "multidict/_multidict.", "aiohttp/_http_parser."):
+        assert any(extension in path for path in libraries), extension

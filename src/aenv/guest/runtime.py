@@ -85,6 +85,24 @@ def shared_libraries(binaries: list[Path]) -> list[Path]:
     return sorted(found - set(binaries))
 
 
+def add_libraries(out: Path, packages: Path) -> None:
+    """Ship the libraries that the extension modules under ``packages`` (envd's vendored wheels,
+    installed on top of the runtime) link against and the runtime lacks, beside its own under
+    ``out``.
+
+    The loader looks in the runtime first and then in the image: a wheel built for an older
+    glibc links ``libpthread.so.0``, which a glibc of our version no longer needs, and the
+    image's copy, of another glibc, fails against the shipped libc. Modules with a Python
+    fallback then silently run without their C code; the others do not load at all.
+    Libraries a wheel bundles itself (found through its RPATH) stay where they are.
+    """
+    lib = out / _relative(guest.RUNTIME_LIB)
+    modules = sorted(packages.rglob("*.so"))
+    for library in shared_libraries(modules) if modules else []:
+        if not library.is_relative_to(packages) and not (lib / library.name).exists():
+            shutil.copy2(library.resolve(), lib / library.name)
+
+
 def _find_library(name: str) -> Path:
     out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=True).stdout
     for line in out.splitlines():

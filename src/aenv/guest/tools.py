@@ -19,7 +19,7 @@ from pathlib import Path
 import aenv.agent
 from aenv.agent.init import EXEC_HELPER, TOOLS
 from aenv.guest.cache import cached_build, file_digest, inputs_key, tree_digest
-from aenv.guest.runtime import compile_tree, ensure_runtime, python_version
+from aenv.guest.runtime import add_libraries, compile_tree, ensure_runtime, python_version
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ VENDORED = (
     "yarl==1.25.1",
     "idna==3.20",
     "typing_extensions==4.16.0",
+    "uvloop==0.23.0",
 )
 
 
@@ -114,6 +115,7 @@ def _build(runtime: Path, out: Path) -> None:
     else:
         log.warning("no envd sources at %s: tools drive has no envd", ENVD_SOURCE)
     _vendor(lib)
+    add_libraries(tree, lib)
     compile_tree(lib)
     size_mib = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file()) * 2 // (1 << 20) + 16
     subprocess.run(

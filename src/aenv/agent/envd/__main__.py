@@ -10,6 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+import uvloop
+
 from . import ENVD_PORT, ENVD_VERSION
 from .server import serve
 from .state import State
@@ -60,8 +62,12 @@ def main(argv: list[str] | None = None) -> None:
             loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
         await serve(state, args.host, args.port)
 
-    with contextlib.suppress(asyncio.CancelledError):
-        asyncio.run(run())
+    # uvloop: under TCG each restored guest in a new QEMU process (a fork's child, a released
+    # resume) translates envd's code afresh, and libuv's C event loop is less code to translate
+    # than asyncio's Python one on the way to the node's first `/init`.
+    runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    with runner, contextlib.suppress(asyncio.CancelledError):
+        runner.run(run())
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from typing import cast
 from urllib.parse import parse_qsl
 
 from .metrics import MetricsHistory
@@ -51,9 +52,9 @@ class InitFastPath(asyncio.Protocol):
         self.buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
+        # a stream server's transport (uvloop's does not subclass asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)
+        peer = self.transport.get_extra_info("peername")
         host_peer = self.state.host_peer
         if host_peer is None or not peer or peer[0] != host_peer:
             self._hand_over()
