@@ -45,7 +45,7 @@ def test_init_and_envd_run_on_the_shipped_runtime(sandbox):
 
 def test_children_use_the_image_s_libraries_and_environment(sandbox, image_name):
     env = sandbox.commands.run("env", user="root").stdout
-    for leak in ("PYTHONHOME", "PYTHONPATH", "LD_LIBRARY_PATH", "/opt/aenv"):
+    for leak in ("PYTHONHOME", "PYTHONPATH", "LD_LIBRARY_PATH", "SSL_CERT", "/opt/aenv"):
         assert leak not in env
     assert "/opt/aenv" not in sandbox.commands.run("cat /proc/self/maps").stdout
     if image_name == "bullseye":
