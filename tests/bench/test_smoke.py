@@ -18,7 +18,7 @@ from bench.node import SLOT_FIRST
 pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[2]
-SMOKE_FIGURES = {"floor-restore", "floor-save", "create", "pause", "resume", "proxy-rtt"}
+SMOKE_FIGURES = {"floor-restore", "floor-save", "create", "create-usable", "pause", "resume", "proxy-rtt"}
 
 
 def _scratch_dirs() -> set[str]:

@@ -237,13 +237,14 @@ class EnvdLink:
         self,
         cmd: str,
         *,
-        user: str = "root",
+        user: str | None = "root",
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         background: bool = False,
         timeout: float = 30.0,
     ) -> int | None:
-        """Run `cmd` with `/bin/bash -l -c` through envd's process.Process/Start.
+        """Run `cmd` with `/bin/bash -l -c` through envd's process.Process/Start, as `user`
+        (None: envd's default user).
 
         Returns the exit code, or None for a background command (it keeps running after the
         call, as envd keeps processes alive when their client goes away).
@@ -261,24 +262,22 @@ class EnvdLink:
         self,
         argv: list[str],
         *,
-        user: str = "root",
+        user: str | None = "root",
         envs: dict[str, str] | None = None,
         cwd: str | None = None,
         background: bool = False,
         timeout: float = 30.0,
         on_output: Callable[[bytes], None] | None = None,
     ) -> int | None:
-        """Run `argv` as `user`; `on_output` gets its stdout and stderr as they arrive (called on
-        the event loop, so it must not block)."""
+        """Run `argv` as `user` (None: envd's default user); `on_output` gets its stdout and
+        stderr as they arrive (called on the event loop, so it must not block)."""
         process: dict[str, Any] = {"cmd": argv[0], "args": argv[1:], "envs": envs or {}}
         if cwd:
             process["cwd"] = cwd
         message = json.dumps({"process": process}).encode()
-        headers = self._headers({
-            "Content-Type": "application/connect+json",
-            "Connect-Protocol-Version": "1",
-            "Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode(),
-        })  # fmt: skip
+        headers = self._headers({"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"})
+        if user is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
         if not background:
             headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
         return await self._start(message, headers, background, timeout, on_output)
