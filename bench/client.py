@@ -56,9 +56,10 @@ class NodeClient:
         return json.loads(content) if content else None
 
     async def create(self, template: str = "base") -> dict[str, Any]:
-        return await self._call(
-            "POST", "/sandboxes", 201, {"templateID": template, "timeout": DEFAULT_TIMEOUT}
-        )
+        """A secured sandbox, as E2B's SDKs create them (v2 has no other kind): envd takes its
+        access token, which `run` sends."""
+        body = {"templateID": template, "timeout": DEFAULT_TIMEOUT, "secure": True}
+        return await self._call("POST", "/sandboxes", 201, body)
 
     async def pause(self, sandbox_id: str) -> None:
         await self._call("POST", f"/sandboxes/{sandbox_id}/pause", 204)

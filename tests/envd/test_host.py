@@ -585,7 +585,8 @@ def test_the_nodes_metrics_history_is_answered_before_aiohttp(tmp_path):
 
 def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
     """A resume's /init repeats the sandbox's settings: the store is left as it is; a change is kept
-    (written right after the answer went out, so the test waits for it)."""
+    (written right after the answer went out, so the test waits for it), and so is what a restored
+    guest's first /init (the one with entropy) finds."""
     store = tmp_path / "run" / "envd.json"
     with run_envd(tmp_path / "envd", token="the-token", env_vars={"K": "v"}, state_file=store) as envd:
         wait_for(lambda: store.exists(), timeout=5)
@@ -598,3 +599,10 @@ def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
         body["envVars"] = {"K": "w"}
         assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
         wait_for(lambda: json.loads(store.read_bytes())["env_vars"] == {"K": "w"}, timeout=5)
+        # A restored guest's first /init (it brings entropy) writes the store even unchanged.
+        written = store.stat().st_mtime_ns
+        os.utime(store, ns=(written - 10**9, written - 10**9))
+        body["entropy"] = base64.b64encode(os.urandom(64)).decode()
+        assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
+        wait_for(lambda: store.stat().st_mtime_ns != written - 10**9, timeout=5)
+        assert json.loads(store.read_bytes())["env_vars"] == {"K": "w"}

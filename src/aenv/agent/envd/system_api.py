@@ -93,7 +93,10 @@ class InitRequest:
         # A resume's /init repeats what the sandbox already has: nothing to write then. A change
         # is written once the answer is out (the callback runs before envd reads its next
         # request): the node's create waits for that answer, and under TCG the file costs the
-        # guest 2-5 ms of emulated CPU.
+        # guest 2-5 ms of emulated CPU. The first /init of a restored guest (the one that brings
+        # entropy) writes it even unchanged: under TCG the first write in a new QEMU process
+        # costs ~50 ms more (its code translated), which a warm VM then pays in the pool rather
+        # than on the way to a user's first request after the create that gives it a token.
         changed = (
             any(state.env_vars.get(name) != value for name, value in self.env_vars.items())
             or (self.token and self.token != state.access_token)
@@ -107,7 +110,7 @@ class InitRequest:
             state.default_user = self.user
         if self.workdir:
             state.default_workdir = self.workdir
-        if changed:
+        if changed or self.entropy:
             asyncio.get_running_loop().call_soon(state.save)
 
 
