@@ -95,7 +95,7 @@ class InitRequest:
         # request): the node's create waits for that answer, and under TCG the file costs the
         # guest 2-5 ms of emulated CPU. The first /init of a restored guest (the one that brings
         # entropy) writes it even unchanged: under TCG the first write in a new QEMU process
-        # costs ~50 ms more (its code translated), which a warm VM then pays in the pool rather
+        # costs ~40 ms more (its code translated), which a warm VM then pays in the pool rather
         # than on the way to a user's first request after the create that gives it a token.
         changed = (
             any(state.env_vars.get(name) != value for name, value in self.env_vars.items())
