@@ -1,4 +1,4 @@
-"""A warm VM's rehearsal command, against a fake envd link (no VMs)."""
+"""A warm VM's rehearsal (a command, a file written and removed), against a fake envd link (no VMs)."""
 
 from __future__ import annotations
 
@@ -11,31 +11,51 @@ from aenv.snapshot.warm import REHEARSAL, rehearse
 
 
 class FakeEnvd:
-    """Records the commands it is asked to run; answers each with `outcome`."""
+    """Records what it is asked to do; answers commands with the exit codes in `codes` (or raises
+    one that is an exception) and uploads with `upload` (None: accepted)."""
 
-    def __init__(self, outcome: BaseException | int):
-        self.outcome = outcome
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+    def __init__(self, *codes: BaseException | int, upload: BaseException | None = None):
+        self.codes = list(codes)
+        self.upload = upload
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
 
     async def run(self, cmd: str, **options: Any) -> int | None:
-        self.calls.append((cmd, options))
-        if isinstance(self.outcome, BaseException):
-            raise self.outcome
-        return self.outcome
+        self.calls.append(("run", cmd, options))
+        outcome = self.codes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def write_file(self, path: str, data: bytes, **options: Any) -> None:
+        self.calls.append(("write", path, options))
+        if self.upload is not None:
+            raise self.upload
 
 
-def test_the_rehearsal_runs_as_the_default_user_like_an_sdk_command() -> None:
-    envd = FakeEnvd(0)
+def rehearsed(envd: FakeEnvd) -> list[tuple[str, str, dict[str, Any]]]:
     asyncio.run(rehearse(cast(Any, envd)))
-    [(cmd, options)] = envd.calls
-    assert cmd == REHEARSAL and options["user"] is None and not options.get("background")
+    return envd.calls
+
+
+def test_the_rehearsal_runs_and_writes_as_the_default_user_and_leaves_no_file() -> None:
+    (_, first, options), (_, path, upload), (_, remove, _) = rehearsed(FakeEnvd(0, 0))
+    assert first == REHEARSAL and options["user"] is None and not options.get("background")
+    assert path.startswith("/tmp/.aenv-rehearsal-") and upload["user"] is None and upload["form"]
+    assert remove == f"rm -f {path}"
 
 
 @pytest.mark.parametrize("outcome", [127, RuntimeError("envd Start failed: no such user")])
-def test_an_image_that_cannot_run_it_still_gives_a_warm_vm(outcome: BaseException | int) -> None:
-    asyncio.run(rehearse(cast(Any, FakeEnvd(outcome))))
+def test_an_image_that_cannot_run_a_command_still_gives_a_warm_vm(outcome: BaseException | int) -> None:
+    assert [kind for kind, _, _ in rehearsed(FakeEnvd(outcome))] == ["run"]
 
 
-def test_a_guest_that_does_not_answer_is_not_handed_out() -> None:
+def test_a_refused_upload_is_still_cleaned_up() -> None:
+    calls = rehearsed(FakeEnvd(0, 0, upload=RuntimeError("envd /files answered 403")))
+    assert [kind for kind, _, _ in calls] == ["run", "write", "run"]
+
+
+def test_a_guest_that_keeps_the_file_or_does_not_answer_is_not_handed_out() -> None:
+    with pytest.raises(RuntimeError, match="could not remove"):
+        rehearsed(FakeEnvd(0, 1))
     with pytest.raises(TimeoutError):
-        asyncio.run(rehearse(cast(Any, FakeEnvd(TimeoutError()))))
+        rehearsed(FakeEnvd(TimeoutError()))

@@ -280,7 +280,9 @@ def test_warm_pool_hands_out_restored_guests(base_template, engine, sandboxes):
         first, second = sandboxes.start(base_template.id), sandboxes.start(base_template.id)
         for sandbox in (first, second):
             sdk = sandbox.sdk()
-            assert sdk.commands.list() == []  # the command each ran in the pool (`rehearse`) ended
+            # What each did in the pool (`rehearse`) left no process and no file.
+            assert sdk.commands.list() == []
+            assert ".aenv-rehearsal" not in sdk.commands.run("ls -a /tmp").stdout
             assert sdk.commands.run("cat /proc/sys/kernel/random/boot_id").exit_code == 0
             sdk.files.write("/home/user/who", sandbox.sandbox_id)
         assert first.sdk().files.read("/home/user/who") == first.sandbox_id

@@ -28,9 +28,10 @@ from .model import GuestInit, SandboxState, SandboxVM
 from .warm_pool import WarmVM
 
 WARM_FILE = "warm.json"
-# What a warm VM runs before it joins the pool: the command line E2B's SDKs give a user's command
-# (`bash -l -c`), as the snapshot's default user.
+# What a warm VM runs before it joins the pool, as the snapshot's default user: a command the way
+# E2B's SDKs send one (`bash -l -c`), and a file written (then removed) the way they upload one.
 REHEARSAL = "true"
+REHEARSAL_DATA = b"\n" * 4096
 REHEARSAL_TIMEOUT = 60.0
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class WarmVMs:
 
         Its envd has answered once, which gave its RNG fresh entropy and warmed the code paths of
         the first request (under TCG: translated); taking it costs one `/init` that gives it the
-        sandbox's token, variables and clock. It has also run a command (`rehearse`).
+        sandbox's token, variables and clock. It has also run a command and written a file (`rehearse`).
         """
         host = self.host
         entry_id = "w" + secrets.token_hex(6)
@@ -94,7 +95,13 @@ class WarmVMs:
             )
             envd = EnvdLink(network)
             await envd.init(GuestInit().payload(), timeout=60)
-            await rehearse(envd)
+            # On connections of its own: envd answers the node's `/init` on a fast path until a
+            # connection carries anything else, which then goes to aiohttp for good.
+            rehearsal = EnvdLink(network)
+            try:
+                await rehearse(rehearsal)
+            finally:
+                rehearsal.close()
             runtime.restored(manifest)
         except BaseException:
             if vm is not None:
@@ -142,20 +149,34 @@ class WarmVMs:
 
 
 async def rehearse(envd: EnvdLink) -> None:
-    """Run a command the way a user's first one runs, so that it has run once in this process.
+    """Run a command and write a file the way a user's first ones run, so that each has run once
+    in this process.
 
     Under TCG a guest restored in a new QEMU process translates every code path afresh the first
-    time it takes it: envd's command route, the kernel's fork and exec, the loader, bash and the
-    login profile. A user's first command after a create paid that, 0.6-0.8 s on a 2-core host
-    against 50-80 ms for the next one; the pool pays it instead, before the sandbox exists. The
-    cost is memory that the user's first command would take anyway: measured under TCG, a warm
-    VM's QEMU keeps 20 MiB more of translated code, and its guest 5 MiB more of written pages
-    (the page cache of what the command read). Under KVM the command takes milliseconds.
+    time it takes it: envd's routes, the kernel's fork, exec and file writes, the loader, bash and
+    the login profile. A user's first command after a create paid that, 0.6-0.8 s on a 2-core host
+    against 50-80 ms for the next one, and a first upload 150-210 ms against about 60; the pool
+    pays it instead, before the sandbox exists. The cost is memory that the user's first calls
+    would take anyway: measured under TCG, a warm VM's QEMU keeps 27 MiB more of translated code
+    and 5 MiB more of its own bookkeeping, and its guest 7 MiB more of written pages (mostly the
+    page cache of what the command read, the same in every sandbox). Under KVM only the guest's
+    pages remain, and both calls take milliseconds.
 
-    A template whose image lacks bash or its default user cannot run it: envd refuses, or the
-    command fails, which leaves the guest as it was and the warm VM usable.
+    The file goes to a fresh name in /tmp and is removed by a second command, so the sandbox
+    finds nothing of it; a guest that cannot remove it is not handed out (the error ends the
+    spawn). A template whose image lacks bash or its default user cannot run the command: envd
+    refuses, or the command fails, and the rehearsal stops there, with the warm VM usable.
     """
     try:
-        await envd.run(REHEARSAL, user=None, timeout=REHEARSAL_TIMEOUT)
+        if await envd.run(REHEARSAL, user=None, timeout=REHEARSAL_TIMEOUT) != 0:
+            return
     except RuntimeError as exc:
         log.debug("the warm VM's first command was refused: %s", exc)
+        return
+    path = f"/tmp/.aenv-rehearsal-{secrets.token_hex(8)}"
+    try:
+        await envd.write_file(path, REHEARSAL_DATA, user=None, form=True, timeout=REHEARSAL_TIMEOUT)
+    except RuntimeError as exc:  # e.g. a /tmp the user cannot write to
+        log.debug("the warm VM's first upload was refused: %s", exc)
+    if await envd.run(f"rm -f {path}", user=None, timeout=REHEARSAL_TIMEOUT) != 0:
+        raise RuntimeError(f"the warm VM could not remove its rehearsal file {path}")

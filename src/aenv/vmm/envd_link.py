@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import posixpath
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
+import aiohttp
 import h11
 
 from ..agent.envd import ENVD_PORT
@@ -282,12 +284,20 @@ class EnvdLink:
             headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
         return await self._start(message, headers, background, timeout, on_output)
 
-    async def write_file(self, path: str, data: bytes, *, timeout: float = 300.0) -> None:
-        """Write `data` to `path` in the guest as root (envd's octet-stream upload)."""
-        headers = self._headers({"Content-Type": "application/octet-stream"})
-        status, answer = await self._request(
-            "POST", f"/files?path={quote(path)}&username=root", body=data, headers=headers, timeout=timeout
-        )
+    async def write_file(
+        self, path: str, data: bytes, *, user: str | None = "root", form: bool = False, timeout: float = 300.0
+    ) -> None:
+        """Write `data` to `path` in the guest as `user` (None: envd's default user): as the body
+        of envd's octet-stream upload, or (`form`) as the multipart form E2B's SDKs upload."""
+        content_type = "application/octet-stream"
+        if form:
+            with aiohttp.MultipartWriter("form-data") as multipart:
+                part = multipart.append(data, {"Content-Type": content_type})
+                part.set_content_disposition("form-data", name="file", filename=posixpath.basename(path))
+            data, content_type = await multipart.as_bytes(), multipart.headers["Content-Type"]
+        headers = self._headers({"Content-Type": content_type})
+        target = f"/files?path={quote(path)}" + (f"&username={quote(user)}" if user is not None else "")
+        status, answer = await self._request("POST", target, body=data, headers=headers, timeout=timeout)
         if status >= 300:
             raise RuntimeError(f"envd /files answered {status}: {answer[:200]!r}")
 
