@@ -104,3 +104,43 @@ def test_init_retries_a_connection_closed_before_its_answer(monkeypatch) -> None
 
     asyncio.run(scenario())
     assert len(connections) == 2 and all(c.startswith(b"POST /init HTTP/1.1\r\n") for c in connections)
+
+
+def test_write_file_uploads_a_form_as_the_sdks_do(monkeypatch) -> None:
+    """`form`: the multipart body E2B's SDKs send, with the path in the query; no user: no
+    `username`, so envd writes as its default user. Otherwise the raw body, as root."""
+    from aiohttp import web
+
+    seen: list[tuple[str, dict[str, str], bytes]] = []
+
+    async def upload(request: web.Request) -> web.Response:
+        if request.content_type != "multipart/form-data":
+            seen.append((request.content_type, dict(request.query), await request.read()))
+        else:
+            field = (await request.post())["file"]
+            assert isinstance(field, web.FileField)
+            seen.append((field.filename, dict(request.query), field.file.read()))
+        return web.json_response([{"path": request.query["path"]}])
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/files", upload)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        monkeypatch.setattr(envd_link, "GUEST_ADDRESS", "127.0.0.1")
+        monkeypatch.setattr(envd_link, "ENVD_PORT", runner.addresses[0][1])
+        link = EnvdLink(LoopbackNetwork())  # type: ignore[arg-type]
+        try:
+            await link.write_file("/tmp/a b", b"data\n", user=None, form=True, timeout=5)
+            await link.write_file("/tmp/c", b"raw", timeout=5)
+        finally:
+            link.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    assert seen == [
+        ("a%20b", {"path": "/tmp/a b"}, b"data\n"),  # aiohttp quotes the name; envd takes the query's path
+        ("application/octet-stream", {"path": "/tmp/c", "username": "root"}, b"raw"),
+    ]
