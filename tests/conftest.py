@@ -97,7 +97,7 @@ class RunningSandbox:
 
     vm: Any  # aenv.snapshot.engine.SandboxVM
     envd_url: str
-    access_token: str
+    access_token: str | None
 
     @property
     def sandbox_id(self) -> str:
@@ -111,11 +111,9 @@ class RunningSandbox:
 
         from aenv.agent.envd import ENVD_VERSION
 
-        headers = {
-            "E2b-Sandbox-Id": self.sandbox_id,
-            "E2b-Sandbox-Port": "49983",
-            "X-Access-Token": self.access_token,
-        }
+        headers = {"E2b-Sandbox-Id": self.sandbox_id, "E2b-Sandbox-Port": "49983"}
+        if self.access_token:
+            headers["X-Access-Token"] = self.access_token
         config = ConnectionConfig(debug=True, sandbox_url=self.envd_url, extra_sandbox_headers=headers)
         return Sandbox(
             sandbox_id=self.sandbox_id, sandbox_domain=None, envd_version=Version(ENVD_VERSION),
@@ -133,18 +131,20 @@ class SandboxManager:
         self._forwarders: dict[str, asyncio.Server] = {}
         self._paused: dict[str, Any] = {}
 
-    def _init(self, token: str):
+    def _init(self, token: str | None):
         from aenv.snapshot.engine import GuestInit
 
         return GuestInit(access_token=token)
 
-    async def _expose(self, vm, token: str) -> RunningSandbox:
+    async def _expose(self, vm) -> RunningSandbox:
+        """The sandbox, with the token its guest holds: `init`'s, or a warm VM's own (`WarmVMs.claim`)."""
         from aenv.agent.envd import ENVD_PORT
         from aenv.network.forward import forward_port
 
         server = await forward_port(vm.guest.network, ENVD_PORT)
         port = server.sockets[0].getsockname()[1]
         self._forwarders[vm.sandbox_id] = server
+        token = vm.guest.envd.access_token
         sandbox = RunningSandbox(vm=vm, envd_url=f"http://127.0.0.1:{port}", access_token=token)
         self._running[vm.sandbox_id] = sandbox
         return sandbox
@@ -155,12 +155,13 @@ class SandboxManager:
         if server is not None:
             self.node.loop.call_soon_threadsafe(server.close)
 
-    def start(self, snapshot: str) -> RunningSandbox:
+    def start(self, snapshot: str, init: Any = None) -> RunningSandbox:
+        """A sandbox from `snapshot`, with `init` (default: a new token and nothing else)."""
         sandbox_id = "t" + secrets.token_hex(6)
-        token = secrets.token_hex(16)
+        init = init or self._init(secrets.token_hex(16))
 
         async def start() -> RunningSandbox:
-            return await self._expose(await self.engine.start(snapshot, sandbox_id, self._init(token)), token)
+            return await self._expose(await self.engine.start(snapshot, sandbox_id, init))
 
         return self.node.run(start())
 
@@ -174,7 +175,7 @@ class SandboxManager:
         state, token = self._paused.pop(sandbox_id)
 
         async def resume() -> RunningSandbox:
-            return await self._expose(await self.engine.resume(state, self._init(token)), token)
+            return await self._expose(await self.engine.resume(state, self._init(token)))
 
         return self.node.run(resume())
 
@@ -186,8 +187,7 @@ class SandboxManager:
 
         async def fork() -> list[RunningSandbox]:
             vms = await self.engine.fork(sandbox.vm, [(cid, self._init(token)) for cid, token in children])
-            tokens = dict(children)
-            return [await self._expose(vm, tokens[vm.sandbox_id]) for vm in vms]
+            return [await self._expose(vm) for vm in vms]
 
         return self.node.run(fork())
 

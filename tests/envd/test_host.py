@@ -584,25 +584,37 @@ def test_the_nodes_metrics_history_is_answered_before_aiohttp(tmp_path):
 
 
 def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
-    """A resume's /init repeats the sandbox's settings: the store is left as it is; a change is kept
-    (written right after the answer went out, so the test waits for it), and so is what a restored
-    guest's first /init (the one with entropy) finds."""
+    """A resume's /init repeats the sandbox's settings: the store is left as it is, also when it
+    brings entropy (a restored guest's first); a change is kept (written right after the answer
+    went out, so the test waits for it)."""
     store = tmp_path / "run" / "envd.json"
     with run_envd(tmp_path / "envd", token="the-token", env_vars={"K": "v"}, state_file=store) as envd:
         wait_for(lambda: store.exists(), timeout=5)
         written = store.stat().st_mtime_ns
         os.utime(store, ns=(written - 10**9, written - 10**9))
-        body = {"accessToken": "the-token", "envVars": {"K": "v"}, "timestamp": datetime.now(UTC).isoformat()}
+        body = {
+            "accessToken": "the-token",
+            "envVars": {"K": "v"},
+            "timestamp": datetime.now(UTC).isoformat(),
+            "entropy": base64.b64encode(os.urandom(64)).decode(),
+        }
         headers = {"X-Access-Token": "the-token"}
         assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
         assert store.stat().st_mtime_ns == written - 10**9
         body["envVars"] = {"K": "w"}
         assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
         wait_for(lambda: json.loads(store.read_bytes())["env_vars"] == {"K": "w"}, timeout=5)
-        # A restored guest's first /init (it brings entropy) writes the store even unchanged.
-        written = store.stat().st_mtime_ns
-        os.utime(store, ns=(written - 10**9, written - 10**9))
-        body["entropy"] = base64.b64encode(os.urandom(64)).decode()
-        assert httpx.post(envd.url + "/init", json=body, headers=headers).status_code == 204
-        wait_for(lambda: store.stat().st_mtime_ns != written - 10**9, timeout=5)
-        assert json.loads(store.read_bytes())["env_vars"] == {"K": "w"}
+
+
+def test_the_node_can_take_the_token_away(tmp_path):
+    """An `/init` with an empty `accessToken` leaves the guest without one (the node gives an
+    unsecured sandbox a guest restored with a token); without the field, the token stays."""
+    store = tmp_path / "run" / "envd.json"
+    with run_envd(tmp_path / "envd", host_peer="127.0.0.1", state_file=store) as envd:
+        assert httpx.post(envd.url + "/init", json={"accessToken": "t0k"}).status_code == 204
+        _assert_json_error(httpx.get(envd.url + "/envs"), 401)
+        assert httpx.post(envd.url + "/init", json={"envVars": {"A": "1"}}).status_code == 204
+        _assert_json_error(httpx.get(envd.url + "/envs"), 401)
+        assert httpx.post(envd.url + "/init", json={"accessToken": ""}).status_code == 204
+        assert httpx.get(envd.url + "/envs").json() == {"A": "1"}
+        wait_for(lambda: json.loads(store.read_bytes())["access_token"] is None, timeout=5)

@@ -1,13 +1,18 @@
-"""A warm VM's rehearsal (a command, a file written and removed), against a fake envd link (no VMs)."""
+"""A warm VM's rehearsal (a command, a file written and removed), against a fake envd link, and
+which creates take a warm VM as it is (no VMs)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from aenv.snapshot.warm import REHEARSAL, rehearse
+from aenv.snapshot.model import GuestInit
+from aenv.snapshot.warm import CLOCK_FRESH, REHEARSAL, adoptable, rehearse
+from aenv.snapshot.warm_pool import WarmVM
 
 
 class FakeEnvd:
@@ -59,3 +64,16 @@ def test_a_guest_that_keeps_the_file_or_does_not_answer_is_not_handed_out() -> N
         rehearsed(FakeEnvd(0, 1))
     with pytest.raises(TimeoutError):
         rehearsed(FakeEnvd(TimeoutError()))
+
+
+def test_a_secured_create_without_variables_takes_a_fresh_warm_vm_as_it_is() -> None:
+    """No `/init` for a create that asks for nothing but a token, of a VM whose clock is fresh;
+    one for variables, an unsecured sandbox (its guest must drop the token), or a stale clock."""
+    fake = cast(Any, None)
+    warm = WarmVM("w0", "s1", fake, fake, fake, "ltop", Path("/nonexistent"), "warm-token")
+    assert adoptable(warm, GuestInit(access_token="t"))
+    assert not adoptable(warm, GuestInit(access_token="t", env_vars={"A": "1"}))
+    assert not adoptable(warm, GuestInit())
+    assert not adoptable(warm, GuestInit(access_token="t", default_user="root"))
+    warm.refreshed = time.monotonic() - CLOCK_FRESH - 1
+    assert not adoptable(warm, GuestInit(access_token="t"))

@@ -164,7 +164,7 @@ def test_restarted_node_saves_a_parked_sandbox_it_finds(
         parked.sandbox.guest.network.destroy()  # a node's network pool removes it at start
         token = secrets.token_hex(8)
         vm = sandboxes.node.run(restarted.resume(state, GuestInit(access_token=token)))
-        exposed = sandboxes.node.run(sandboxes._expose(vm, token))
+        exposed = sandboxes.node.run(sandboxes._expose(vm))
         assert ask_keeper(exposed.sdk()) == (keeper_pid, mark)
     finally:
         sandboxes._unexpose(sandbox.sandbox_id)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from e2b import AuthenticationException
 
 from aenv.snapshot.engine import EngineError, GuestInit, SnapshotEngine
 from aenv.snapshot.handover import pause_alias
@@ -20,7 +21,7 @@ from aenv.snapshot.parking import ParkingPolicy
 from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 from aenv.snapshot.warm import WarmRecord
 
-from ..conftest import wait_for
+from ..conftest import RunningSandbox, wait_for
 
 # A long-running interpreter that keeps a value in memory and serves it with its PID.
 KEEPER = """
@@ -214,7 +215,7 @@ def test_paused_sandbox_survives_a_new_engine(base_template, engine, node_home, 
     token = secrets.token_hex(8)
     vm = sandboxes.node.run(restarted.resume(state, GuestInit(access_token=token)))
     try:
-        exposed = sandboxes.node.run(sandboxes._expose(vm, token))
+        exposed = sandboxes.node.run(sandboxes._expose(vm))
         assert ask_keeper(exposed.sdk()) == (keeper_pid, mark)
     finally:
         sandboxes._unexpose(sandbox.sandbox_id)
@@ -272,27 +273,46 @@ def test_garbage_is_collected(base_template, engine, sandboxes):
 
 
 def test_warm_pool_hands_out_restored_guests(base_template, engine, sandboxes):
-    node = sandboxes.node
-    node.run(engine.pool.set_target(base_template.id, 2))
+    """A secured create without variables takes a warm VM as it is (its own token, a clock set in
+    the pool); one with variables, or an unsecured one, gives it an `/init` first."""
+    node, pool = sandboxes.node, engine.pool
+    node.run(pool.set_target(base_template.id, 2))
+
+    def from_pool(init: GuestInit | None = None) -> RunningSandbox:
+        node.run(pool.wait_filled(base_template.id))
+        assert pool.ready(base_template.id) == 2
+        sandbox = sandboxes.start(base_template.id, init)
+        assert pool.ready(base_template.id) == 1  # its replacement takes seconds to restore
+        return sandbox
+
     try:
-        node.run(engine.pool.wait_filled(base_template.id))
-        assert engine.pool.ready(base_template.id) == 2
-        first, second = sandboxes.start(base_template.id), sandboxes.start(base_template.id)
+        first, second = from_pool(), from_pool()
         for sandbox in (first, second):
             sdk = sandbox.sdk()
             # What each did in the pool (`rehearse`) left no process and no file.
             assert sdk.commands.list() == []
             assert ".aenv-rehearsal" not in sdk.commands.run("ls -a /tmp").stdout
-            assert sdk.commands.run("cat /proc/sys/kernel/random/boot_id").exit_code == 0
+            before = time.time_ns()
+            guest_ns = int(sdk.commands.run("date +%s%N").stdout)
+            assert before - 50_000_000 <= guest_ns <= time.time_ns() + 50_000_000  # envd's tolerance
             sdk.files.write("/home/user/who", sandbox.sandbox_id)
         assert first.sdk().files.read("/home/user/who") == first.sandbox_id
         # Each got its own token: the other's is refused.
-        assert first.access_token != second.access_token
+        assert first.access_token and second.access_token and first.access_token != second.access_token
+        stranger = RunningSandbox(vm=first.vm, envd_url=first.envd_url, access_token=second.access_token)
+        with pytest.raises(AuthenticationException):
+            stranger.sdk().commands.run("true")
         holders = engine.repository.holders(base_template.id)
         assert first.sandbox_id in holders and second.sandbox_id in holders
+        named = from_pool(GuestInit(env_vars={"WHO": "named"}, access_token="the-token"))
+        assert named.access_token == "the-token"
+        assert named.sdk().commands.run("echo $WHO").stdout == "named\n"
+        unsecured = from_pool(GuestInit())
+        assert unsecured.access_token is None
+        assert unsecured.sdk().commands.run("true").exit_code == 0
     finally:
-        node.run(engine.pool.drain(base_template.id))
-    assert engine.pool.ready(base_template.id) == 0
+        node.run(pool.drain(base_template.id))
+    assert pool.ready(base_template.id) == 0
     assert not [h for h in engine.repository.holders(base_template.id) if h.startswith("w")]
 
 

@@ -391,9 +391,10 @@ class Orchestrator:
             try:
                 with self._transition(sandbox, Op.START):
                     init = self._guest_init(record)
-                    self._attach(
-                        sandbox, await self.engine.start(manifest.id, record.sandbox_id, init, policy)
-                    )
+                    vm = await self.engine.start(manifest.id, record.sandbox_id, init, policy)
+                    # A warm VM's guest may keep the token it was given in the pool (`WarmVMs.claim`).
+                    record.envd_token = vm.guest.envd.access_token
+                    self._attach(sandbox, vm)
                     try:
                         await self._mount_volumes(sandbox, stale=VOLUMES_MARK in manifest.metadata)
                     except BaseException:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from pathlib import Path
 
+from ..agent.envd.system_api import CLOCK_TOLERANCE_NS
 from ..network.netns import SandboxNetwork
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
@@ -129,15 +131,34 @@ class Clones:
         `reseed` is off: see `GuestInit.payload`) and record it.
 
         `envd` is the guest's existing link, whose kept-alive connection makes `/init` cheaper.
+        The clock the guest is given is the node's when the request left: a guest restored in a
+        new QEMU process answers its first request late under TCG (0.2-0.3 s alone, seconds for
+        a fork's children), and would keep a clock that late. So an `/init` slower than envd's
+        clock tolerance is followed by one that only sets the clock, which the guest then
+        answers in milliseconds.
         """
         envd = envd or EnvdLink(network)
         envd.access_token = init.access_token
         try:
+            sent = time.monotonic()
             await envd.init(init.payload(reseed=reseed), timeout=30)
+            if time.monotonic() - sent > CLOCK_TOLERANCE_NS / 1e9:
+                await envd.init(init.payload(reseed=False), timeout=30)
         except BaseException:
             await vm.kill()
             network.destroy()
             raise
+        return self.record(state, manifest, vm, network, envd)
+
+    def record(
+        self,
+        state: SandboxState,
+        manifest: SnapshotManifest,
+        vm: VirtualMachine,
+        network: SandboxNetwork,
+        envd: EnvdLink,
+    ) -> SandboxVM:
+        """The running guest, whose envd is already this sandbox's, recorded as the sandbox."""
         state.paused, state.pid = False, vm.pid
         state.save(vm.workdir)
         guest = GuestVM(vm=vm, network=network, envd=envd, workdir=vm.workdir)

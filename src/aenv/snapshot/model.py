@@ -43,11 +43,15 @@ class GuestInit:
         (a parked process resumed) is not: under TCG the reseed costs it ~1.3 ms on the path of
         the node's answer.
         """
-        body: dict[str, Any] = {"envVars": self.env_vars, "timestamp": utc_timestamp()}
+        # The token always: a guest restored from a secured sandbox or a warm VM holds one, which
+        # an unsecured sandbox's guest must drop ("").
+        body: dict[str, Any] = {
+            "envVars": self.env_vars,
+            "timestamp": utc_timestamp(),
+            "accessToken": self.access_token or "",
+        }
         if reseed:
             body["entropy"] = base64.b64encode(os.urandom(64)).decode()
-        if self.access_token:
-            body["accessToken"] = self.access_token
         if self.default_user:
             body["defaultUser"] = self.default_user
         if self.default_workdir:

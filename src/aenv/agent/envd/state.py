@@ -16,11 +16,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# What `/init` sets, with the type a saved value must have to be taken back.
-PERSISTED: dict[str, type] = {
+# What `/init` sets, with the types a saved value must have to be taken back (a saved None
+# token is one the node took away: it must not come back as the one envd was started with).
+PERSISTED: dict[str, type | tuple[type, ...]] = {
     "default_user": str,
     "default_workdir": str,
-    "access_token": str,
+    "access_token": (str, type(None)),
     "env_vars": dict,
 }
 
@@ -89,6 +90,6 @@ class State:
         if not isinstance(data, dict):
             return
         for name, kind in PERSISTED.items():
-            if isinstance(data.get(name), kind):
+            if name in data and isinstance(data[name], kind):
                 setattr(self, name, data[name])
         log.info("restored the sandbox settings from %s", self.store)

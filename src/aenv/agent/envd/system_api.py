@@ -76,7 +76,7 @@ class InitRequest:
     """What a valid `/init` body asks for."""
 
     env_vars: dict[str, str]
-    token: str
+    token: str | None  # None: leave as is; "": none from now on (only the node unsecures a guest)
     user: str
     workdir: str
     timestamp: int | None  # Unix nanoseconds
@@ -90,27 +90,25 @@ class InitRequest:
             sync_clock(self.timestamp)
         if self.entropy:
             add_entropy(self.entropy)
-        # A resume's /init repeats what the sandbox already has: nothing to write then. A change
-        # is written once the answer is out (the callback runs before envd reads its next
-        # request): the node's create waits for that answer, and under TCG the file costs the
-        # guest 2-5 ms of emulated CPU. The first /init of a restored guest (the one that brings
-        # entropy) writes it even unchanged: under TCG the first write in a new QEMU process
-        # costs ~40 ms more (its code translated), which a warm VM then pays in the pool rather
-        # than on the way to a user's first request after the create that gives it a token.
+        # A resume's /init repeats what the sandbox already has: nothing to write then (under
+        # TCG, a guest's first write in a new QEMU process costs ~40 ms of emulated CPU and
+        # ~3 MiB of translated code). A change is written once the answer is out (the callback
+        # runs before envd reads its next request): the node's create waits for that answer.
+        token = self.token or None
         changed = (
             any(state.env_vars.get(name) != value for name, value in self.env_vars.items())
-            or (self.token and self.token != state.access_token)
+            or (self.token is not None and token != state.access_token)
             or (self.user and self.user != state.default_user)
             or (self.workdir and self.workdir != state.default_workdir)
         )
         state.env_vars.update(self.env_vars)
-        if self.token:
-            state.access_token = self.token
+        if self.token is not None:
+            state.access_token = token
         if self.user:
             state.default_user = self.user
         if self.workdir:
             state.default_workdir = self.workdir
-        if changed or self.entropy:
+        if changed:
             asyncio.get_running_loop().call_soon(state.save)
 
 
@@ -124,7 +122,8 @@ def parse_init(raw: bytes) -> InitRequest | str:
         return "body must be a JSON object"
     try:
         env_vars = string_map(body.get("envVars"), "envVars")
-        token, user, workdir = (text(body, name) for name in ("accessToken", "defaultUser", "defaultWorkdir"))
+        user, workdir = (text(body, name) for name in ("defaultUser", "defaultWorkdir"))
+        token = text(body, "accessToken") if "accessToken" in body else None
         c_string(user, "defaultUser")
         if workdir:
             path_string(workdir, "defaultWorkdir")
