@@ -185,6 +185,26 @@ def test_deferred_delete_while_leased(open_repo):
     assert not b.has_blob(manifest.memory_image)
 
 
+def test_a_lease_handed_on_keeps_the_snapshot_pinned(open_repo):
+    """A warm VM's lease goes to the sandbox it became, also after a deferred delete; without a
+    lease to hand on, the new holder acquires one (which a hidden snapshot refuses)."""
+    a, b = open_repo("node-a"), open_repo("node-b")
+    manifest = committed(a, "one")
+    a.acquire(manifest.id, "w1")
+    a.transfer(manifest.id, "w1", "sbx1")
+    assert b.holders(manifest.id) == ["sbx1"] and a.leased(manifest.id, "sbx1").id == manifest.id
+    a.transfer(manifest.id, "w1", "sbx2")  # nothing to hand on: sbx2 acquires its own
+    assert b.holders(manifest.id) == ["sbx1", "sbx2"]
+    assert b.delete(manifest.id) is False
+    with pytest.raises(SnapshotNotFound):
+        a.transfer(manifest.id, "w9", "sbx3")
+    a.transfer(manifest.id, "sbx2", "sbx4")
+    assert b.holders(manifest.id) == ["sbx1", "sbx4"] and a.leased(manifest.id, "sbx4").id == manifest.id
+    a.release(manifest.id, "sbx1")
+    a.release(manifest.id, "sbx4")  # the last release completes the delete
+    assert not b.is_live(manifest.id)
+
+
 def test_leases_of_a_dead_node_expire(open_repo):
     a = open_repo("node-a", lease_ttl=2.0)
     b = open_repo("node-b", lease_ttl=2.0)

@@ -68,8 +68,8 @@ class Lifecycle:
         manifest = self.host.repository.get(snapshot)
         warm = self.pool.take(manifest.id)
         # The sandbox's lease pins the snapshot against deletion. A warm VM's lease pins it already,
-        # so then the new lease is written, and the warm VM's dropped, while the guest takes its
-        # `/init`: both are durable writes (an fsync, or an object store's round trip).
+        # so then it is handed on to the sandbox while the guest takes its `/init` (if it needs
+        # one): a durable write (an fsync, or an object store's round trip).
         leasing = asyncio.ensure_future(self._lease(manifest.id, sandbox_id, warm))
         try:
             return await self._start(manifest, sandbox_id, init, policy or EgressPolicy(), warm, leasing)
@@ -78,9 +78,10 @@ class Lifecycle:
 
     async def _lease(self, snapshot_id: str, sandbox_id: str, warm: WarmVM | None) -> None:
         repository = self.host.repository
-        await asyncio.to_thread(repository.acquire, snapshot_id, sandbox_id)
-        if warm is not None:
-            await asyncio.to_thread(repository.release, snapshot_id, warm.entry_id)
+        if warm is None:
+            await asyncio.to_thread(repository.acquire, snapshot_id, sandbox_id)
+        else:
+            await asyncio.to_thread(repository.transfer, snapshot_id, warm.entry_id, sandbox_id)
 
     async def _unlease(self, leasing: asyncio.Future[None], snapshot_id: str, holders: list[str]) -> None:
         """After a failed start: the leases `_lease` took or kept go (releasing is idempotent)."""

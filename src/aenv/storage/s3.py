@@ -539,6 +539,19 @@ class S3Repository:
             self.release(snapshot_id, holder)
             raise
 
+    def transfer(self, snapshot_id: str, holder: str, to: str) -> None:
+        """Hand ``holder``'s lease to ``to``: the new one is written before the old one goes (also
+        after a deferred delete, as a held lease keeps its snapshot). Without a lease to hand on,
+        ``to`` acquires one."""
+        check_holder(to)
+        held = SNAPSHOT_ID_RE.fullmatch(snapshot_id) and self._head(self._key("leases", snapshot_id, holder))
+        if not held:
+            self.acquire(snapshot_id, to)
+            return
+        self._note_lease(snapshot_id, to, True)
+        self._put(self._key("leases", snapshot_id, to), self.node.encode())
+        self.release(snapshot_id, holder)
+
     def release(self, snapshot_id: str, holder: str) -> None:
         """Drop ``holder``'s lease; the last release completes a deferred delete. Idempotent."""
         check_holder(holder)
