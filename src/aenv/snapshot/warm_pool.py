@@ -106,9 +106,9 @@ class WarmPool:
             self._keeper = asyncio.create_task(self._keep())
 
     async def _keep(self) -> None:
-        """Refresh each waiting VM once it has waited `REFRESH_INTERVAL`, for as long as the pool
-        is open."""
-        while True:
+        """Refresh each waiting VM once it has waited `REFRESH_INTERVAL`, while the pool keeps any
+        (`refill` starts this again when it does)."""
+        while any(self._targets.values()):
             now = time.monotonic()
             due = [
                 (snapshot_id, warm)
