@@ -608,13 +608,17 @@ def test_an_init_that_changes_nothing_writes_no_state(tmp_path):
 
 def test_the_node_can_take_the_token_away(tmp_path):
     """An `/init` with an empty `accessToken` leaves the guest without one (the node gives an
-    unsecured sandbox a guest restored with a token); without the field, the token stays."""
+    unsecured sandbox a guest restored with a token); without the field (one that only sets the
+    clock), the token and the variables stay."""
     store = tmp_path / "run" / "envd.json"
     with run_envd(tmp_path / "envd", host_peer="127.0.0.1", state_file=store) as envd:
         assert httpx.post(envd.url + "/init", json={"accessToken": "t0k"}).status_code == 204
         _assert_json_error(httpx.get(envd.url + "/envs"), 401)
         assert httpx.post(envd.url + "/init", json={"envVars": {"A": "1"}}).status_code == 204
         _assert_json_error(httpx.get(envd.url + "/envs"), 401)
+        clock_only = {"timestamp": datetime.now(UTC).isoformat()}  # what the node sends to set the clock
+        assert httpx.post(envd.url + "/init", json=clock_only).status_code == 204
+        assert httpx.get(envd.url + "/envs", headers={"X-Access-Token": "t0k"}).json() == {"A": "1"}
         assert httpx.post(envd.url + "/init", json={"accessToken": ""}).status_code == 204
         assert httpx.get(envd.url + "/envs").json() == {"A": "1"}
         wait_for(lambda: json.loads(store.read_bytes())["access_token"] is None, timeout=5)

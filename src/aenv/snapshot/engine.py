@@ -83,7 +83,7 @@ class SnapshotEngine:
         )  # fmt: skip
         self.repository, self.runtime, self.artifacts, self.accel = repository, runtime, artifacts, accel
         self.networks = networks
-        clones = Clones(self.host)
+        self.clones = clones = Clones(self.host)
         self.templates = TemplateBuilder(self.host, artifacts)
         self.warm = WarmVMs(self.host, clones)
         self.pool = WarmPool(self.warm)
@@ -107,6 +107,7 @@ class SnapshotEngine:
         await self.pool.close()
         await self.handover.close()
         await self.pending.close()
+        await self.clones.close()
 
     # -- machine and sandboxes directory ---------------------------------------------------
 

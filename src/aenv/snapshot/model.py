@@ -59,6 +59,11 @@ class GuestInit:
         return body
 
 
+def clock_payload() -> dict[str, Any]:
+    """An `/init` body that sets the guest's clock (if it is off) and nothing else."""
+    return {"timestamp": utc_timestamp()}
+
+
 @dataclass
 class SandboxState:
     """What survives the QEMU process of a sandbox: enough to resume it, also after a node restart."""

@@ -25,7 +25,7 @@ from ..vmm.machine import VirtualMachine
 from .clones import Clones
 from .host import Host
 from .manifest import SnapshotManifest
-from .model import GuestInit, SandboxState, SandboxVM
+from .model import GuestInit, SandboxState, SandboxVM, clock_payload
 from .warm_pool import REFRESH_INTERVAL, WarmVM
 
 WARM_FILE = "warm.json"
@@ -112,7 +112,7 @@ class WarmVMs:
                 await rehearse(rehearsal)
             finally:
                 rehearsal.close()
-            await self._sync(envd, token)
+            await envd.init(clock_payload(), timeout=REFRESH_TIMEOUT)
             runtime.restored(manifest)
         except BaseException:
             if vm is not None:
@@ -128,12 +128,7 @@ class WarmVMs:
 
     async def refresh(self, warm: WarmVM) -> None:
         """Set a waiting warm VM's clock again (`WarmPool` calls this every `REFRESH_INTERVAL`)."""
-        await self._sync(warm.envd, warm.token)
-
-    @staticmethod
-    async def _sync(envd: EnvdLink, token: str | None) -> None:
-        """An `/init` that changes nothing but the clock (if it is off): envd writes nothing."""
-        await envd.init(GuestInit(access_token=token).payload(reseed=False), timeout=REFRESH_TIMEOUT)
+        await warm.envd.init(clock_payload(), timeout=REFRESH_TIMEOUT)
 
     async def discard(self, warm: WarmVM) -> None:
         """End a warm VM and free everything it owns."""
