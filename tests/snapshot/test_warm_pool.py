@@ -77,17 +77,24 @@ def test_a_failing_source_stops_the_refill_without_raising() -> None:
     asyncio.run(main())
 
 
+async def held_in_refresh(source: FakeSource) -> WarmPool:
+    """A pool of one warm VM for `s1`, refreshed every 50 ms, whose VM is in its first refresh
+    until the test sets `source.proceed`."""
+    pool = WarmPool(source, refresh_interval=0.05)
+    await pool.set_target("s1", 1)
+    await pool.wait_filled("s1")
+    source.proceed.clear()
+    await asyncio.wait_for(source.refreshing.wait(), 5)
+    return pool
+
+
 def test_waiting_vms_are_refreshed_and_cannot_be_taken_meanwhile() -> None:
     """Each VM that waited an interval is refreshed out of the ready list, then returned to it;
     one that fails its refresh is discarded and replaced."""
     source = FakeSource()
 
     async def main() -> None:
-        pool = WarmPool(source, refresh_interval=0.05)
-        await pool.set_target("s1", 1)
-        await pool.wait_filled("s1")
-        source.proceed.clear()
-        await asyncio.wait_for(source.refreshing.wait(), 5)
+        pool = await held_in_refresh(source)
         assert pool.ready("s1") == 0 and pool.take("s1") is None
         before = time.monotonic()
         source.proceed.set()
@@ -112,11 +119,7 @@ def test_closing_discards_a_vm_in_the_middle_of_its_refresh() -> None:
     source = FakeSource()
 
     async def main() -> None:
-        pool = WarmPool(source, refresh_interval=0.05)
-        await pool.set_target("s1", 1)
-        await pool.wait_filled("s1")
-        source.proceed.clear()
-        await asyncio.wait_for(source.refreshing.wait(), 5)
+        pool = await held_in_refresh(source)
         await pool.close()
         assert source.discarded == ["w0"] and pool.ready("s1") == 0
 

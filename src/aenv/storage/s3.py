@@ -543,6 +543,7 @@ class S3Repository:
         """Hand ``holder``'s lease to ``to``: the new one is written before the old one goes (also
         after a deferred delete, as a held lease keeps its snapshot). Without a lease to hand on,
         ``to`` acquires one."""
+        check_holder(holder)
         check_holder(to)
         held = SNAPSHOT_ID_RE.fullmatch(snapshot_id) and self._head(self._key("leases", snapshot_id, holder))
         if not held:

@@ -76,7 +76,7 @@ class InitRequest:
     """What a valid `/init` body asks for."""
 
     env_vars: dict[str, str]
-    token: str | None  # None: leave as is; "": none from now on (only the node unsecures a guest)
+    token: str | None  # None: leave as is; "": none from now on (an unsecured sandbox's guest)
     user: str
     workdir: str
     timestamp: int | None  # Unix nanoseconds
