@@ -11,7 +11,7 @@ from typing import Any
 
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 from aenv.cluster.protocols import SandboxKilled
-from aenv.orchestrator.errors import NOT_SHARED, Conflict, NotFound, Unavailable
+from aenv.orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, Unavailable
 from aenv.orchestrator.housekeeping import GcTotals
 from aenv.orchestrator.interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus
 from aenv.orchestrator.local import matches
@@ -183,7 +183,7 @@ class FakeNode:
 
     async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
         if sandbox_id not in self.repository:
-            raise NotFound(f"sandbox {sandbox_id} has no durable pause")
+            raise NotFound(f"sandbox {sandbox_id} has no durable pause", PAUSE_GONE)
         sandbox = dataclasses.replace(self.repository.pop(sandbox_id), state=State.RUNNING)
         self.sandboxes[sandbox_id] = sandbox
         return sandbox

@@ -154,6 +154,24 @@ async def test_a_pause_after_a_durable_one_is_not_durable_until_its_node_says_so
     assert waiting.status_code == 503 and "not in a shared repository" in waiting.json()["message"]
 
 
+async def test_a_durable_pause_its_node_took_back_is_lost_with_the_node(cluster: Cluster) -> None:
+    """The node resumed a durable pause (which left the repository) and went down before the
+    scheduler heard of it: the binding still says paused and durable. The take-over finds no
+    pause, so the sandbox was lost with its node, and says so (CI of stop 27, in a rerun)."""
+    cluster.nodes["nb"].repository = cluster.nodes["na"].repository
+    cluster.nodes["nb"].full = True
+    sandbox_id = (await cluster.create())["sandboxID"]
+    cluster.nodes["nb"].full = False
+    await cluster.pause_durably(sandbox_id)
+    na = cluster.nodes["na"]
+    na.repository.pop(sandbox_id)  # resumed on its node, which claims and then deletes the pause
+    na.sandboxes[sandbox_id].state = State.RUNNING
+    await cluster.kill("na")
+    lost = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    message = lost.json()["message"]
+    assert lost.status_code == 404 and "was lost" in message and "node na is down" in message, lost.text
+
+
 async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None:
     ids = {(await cluster.create(metadata={"job": "a"}))["sandboxID"] for _ in range(5)}
     await cluster.create(metadata={"job": "b"})

@@ -14,8 +14,10 @@ nodes'. So any number of gateways can run, and losing one loses nothing.
 
 A sandbox whose node is down is reported, not guessed at: a running one as lost (404, as a node
 reports a lost VM). A paused one whose pause is durable (committed to the shared repository) is
-resumed by another node with room, which takes it over (`NodeService.take_over`); a node-local
-pause is unavailable until its node is back. Either can be killed all the same: its binding
+resumed by another node with room, which takes it over (`NodeService.take_over`); one that the
+repository no longer has, or that its own node claimed back, was resumed or ended there after
+the node's last report, and is lost as a running one; a node-local pause is unavailable until
+its node is back. Either can be killed all the same: its binding
 gives way to a tombstone (`Scheduler.tombstone`), so it is gone for the cluster at once, can
 no longer be taken over, and its node kills it when it is back. A durable pause killed so is
 also deleted from the shared repository by a live node (`NodeService.discard_pause`), since its
@@ -36,7 +38,7 @@ from typing import Any, Literal, TypeVar
 
 import aiohttp
 
-from ..orchestrator.errors import NOT_SHARED, Conflict, NotFound, SandboxError, Unavailable
+from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
 from ..orchestrator.interface import (
     BuildTicket,
@@ -422,7 +424,16 @@ class ClusterNode:
             return None
         if info.status != NodeState.DOWN or binding.state != "paused" or not binding.durable:
             return None
-        return await self._take_over(binding, timeout)
+        try:
+            return await self._take_over(binding, timeout)
+        except NotFound as exc:
+            if exc.error_code != PAUSE_GONE:
+                raise
+            # The node resumed or ended the sandbox after its last report, then went down.
+            raise NotFound(
+                f"sandbox {sandbox_id} was lost: its node {info.node_id} is down (it had resumed or "
+                "ended the sandbox after its last report)"
+            ) from None
 
     async def _take_over(self, binding: Binding, timeout: int | None) -> SandboxRecord:
         """On the scheduler's choice of node (not the holder), which claims the pause in the

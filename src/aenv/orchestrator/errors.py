@@ -10,6 +10,10 @@ from __future__ import annotations
 # The `error_code` of a Conflict for a call that needs a shared repository, on a node whose
 # repository is its own (posix): such a node cannot help, and a gateway asks another.
 NOT_SHARED = "repository_not_shared"
+# The `error_code` of a take-over's NotFound: the durable pause is gone from the repository, or
+# its own node claimed it back. That node resumed or ended the sandbox after it last reported
+# the pause durable, so a gateway that finds this node down knows the sandbox was lost with it.
+PAUSE_GONE = "pause_gone"
 
 
 class SandboxError(Exception):

@@ -137,7 +137,9 @@ class NodeService(Protocol):
         HTTP: `POST /sandboxes/{sandboxID}/takeover` with an optional `{"timeout": seconds}`,
         answered 201 with the sandbox (as create's), on the node that is to run it. The pause
         must be durable (the record's `durable`; `GET /sandboxes/{id}` on the pausing node says
-        `"durable": true`): otherwise 404. 409 if another node took it over first (one claim in
+        `"durable": true`): otherwise 404, also when the pausing node has claimed the pause back
+        (resumed or ended the sandbox), both with the `error_code` `pause_gone` (`PAUSE_GONE`).
+        409 if another node took it over first (one claim in
         the repository decides), or if the sandbox is on this node already (resume it instead).
         The node it was paused on forgets it (its lookups answer 404 saying where it went).
         """

@@ -28,7 +28,7 @@ from ..config import Settings
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
-from ..snapshot.handover import SandboxMoved
+from ..snapshot.handover import PauseReclaimed, SandboxMoved
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.repository import (
     AliasConflict,
@@ -39,7 +39,16 @@ from ..snapshot.repository import (
 )
 from ..vmm.envd_link import EnvdUnavailable, SampleBatch
 from .admission import Admission, meminfo_mib
-from .errors import NOT_SHARED, Conflict, InvalidRequest, NotFound, OperationFailed, SandboxError, Unavailable
+from .errors import (
+    NOT_SHARED,
+    PAUSE_GONE,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OperationFailed,
+    SandboxError,
+    Unavailable,
+)
 from .interface import CreateRequest
 from .metrics import MetricsArchive, SampleWatch, between, merge, sandbox_metric
 from .states import Op, State, Transition, transition
@@ -715,7 +724,8 @@ class Orchestrator:
             pause = await asyncio.to_thread(self.engine.handover.find, sandbox_id)
             record = SandboxRecord(**json.loads(pause.metadata[SANDBOX_RECORD]))
         except (SnapshotNotFound, InvalidName):
-            raise NotFound(f"sandbox {sandbox_id} has no durable pause in the repository") from None
+            gone = f"sandbox {sandbox_id} has no durable pause in the repository"
+            raise NotFound(gone, PAUSE_GONE) from None
         except (KeyError, ValueError, TypeError) as exc:
             raise OperationFailed(f"the pause of sandbox {sandbox_id} carries no readable record") from exc
         except RepositoryError as exc:
@@ -732,6 +742,9 @@ class Orchestrator:
                     vm = await self.engine.take_over(pause, self._guest_init(record), policy)
                     self._attach(sandbox, vm)
                     self._set_end(sandbox, timeout)
+            except PauseReclaimed as exc:
+                self._forget(sandbox)
+                raise NotFound(f"sandbox {sandbox_id} has no durable pause: {exc}", PAUSE_GONE) from exc
             except SandboxMoved as exc:
                 self._forget(sandbox)
                 raise Conflict(str(exc)) from exc

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSE_MARK = "aenv.paused-sandbox"  # metadata of a pause snapshot: the id of the paused sandbox
+PAUSED_ON = "aenv.paused-on"  # metadata of a pause snapshot: the node it was paused on
 
 
 def pause_alias(sandbox_id: str) -> str:
@@ -81,6 +82,15 @@ class SandboxMoved(EngineError):
         self.node = node
 
 
+class PauseReclaimed(EngineError):
+    """The node the sandbox was paused on claimed its pause back: it resumed or ended the
+    sandbox there, after it last said the pause was durable."""
+
+    def __init__(self, sandbox_id: str, node: str):
+        super().__init__(f"sandbox {sandbox_id} was resumed or ended on node {node}, where it was paused")
+        self.node = node
+
+
 class Handover:
     """Commits pauses to the repository in the background and hands paused sandboxes over."""
 
@@ -103,7 +113,7 @@ class Handover:
         """The pause is on this node's disk: commit it to the repository in the background."""
         if not self.enabled or state.durable is not None:
             return
-        metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id}
+        metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id, PAUSED_ON: self.node}
         upload = _Upload(dataclasses.replace(state, disk_layers=list(state.disk_layers)))
         upload.task = asyncio.create_task(self._upload(upload, state, origin, metadata))
         self._uploads[state.sandbox_id] = upload
@@ -245,11 +255,15 @@ class Handover:
     async def take_over(
         self, lifecycle: Lifecycle, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
     ) -> SandboxVM:
-        """Claim the pause snapshot and continue the sandbox from it here, under the same id."""
+        """Claim the pause snapshot and continue the sandbox from it here, under the same id.
+
+        Raises `PauseReclaimed` if the node it was paused on holds the claim, `SandboxMoved` if
+        another node does."""
         sandbox_id = pause.metadata[PAUSE_MARK]
         winner = await asyncio.to_thread(self.host.repository.claim, pause.id)
         if winner != self.node:
-            raise SandboxMoved(sandbox_id, winner)
+            gone = PauseReclaimed if winner == pause.metadata.get(PAUSED_ON) else SandboxMoved
+            raise gone(sandbox_id, winner)
         try:
             sandbox = await lifecycle.start(pause.id, sandbox_id, init, policy)
         except BaseException:
