@@ -232,4 +232,12 @@ def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):
     resumed_on_a = httpx.post(a.url + detail + "/resume", headers=headers_a, json={}, timeout=60)
     assert resumed_on_a.status_code == 404 and "taken over" in resumed_on_a.json()["message"]
     assert httpx.get(a.url + detail, headers=headers_a).status_code == 404
+
+    # A pause that its node committed and then took back (resumed) is nobody else's: 404 with
+    # `pause_gone`, which tells a gateway that finds that node down the sandbox was lost with it.
+    assert moved.pause()
+    wait_for(lambda: httpx.get(b.url + detail, headers=headers_b).json().get("durable"), timeout=120)
+    assert httpx.post(b.url + detail + "/resume", headers=headers_b, json={}, timeout=60).status_code == 201
+    gone = httpx.post(a.url + detail + "/takeover", headers=headers_a, timeout=60)
+    assert gone.status_code == 404 and gone.json()["error_code"] == "pause_gone", gone.text
     moved.kill()
