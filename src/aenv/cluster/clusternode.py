@@ -17,11 +17,11 @@ reports a lost VM). A paused one whose pause is durable (committed to the shared
 resumed by another node with room, which takes it over (`NodeService.take_over`); one that the
 repository no longer has, or that its own node claimed back, was resumed or ended there after
 the node's last report, and is lost as a running one; a node-local pause is unavailable until
-its node is back. Either can be killed all the same: its binding
-gives way to a tombstone (`Scheduler.tombstone`), so it is gone for the cluster at once, can
-no longer be taken over, and its node kills it when it is back. A durable pause killed so is
-also deleted from the shared repository by a live node (`NodeService.discard_pause`), since its
-node may never come back to delete it; if no node can, the kill stands all the same.
+its node is back. Either can be killed all the same: its binding gives way to a tombstone
+(`Scheduler.tombstone`), so it is gone for the cluster at once, can no longer be taken over,
+and its node kills it when it is back. A durable pause killed so is also deleted from the
+shared repository by a live node (`NodeService.discard_pause`), since its node may never come
+back to delete it; if no node can, the kill stands all the same.
 """
 
 from __future__ import annotations
