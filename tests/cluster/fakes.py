@@ -37,6 +37,7 @@ class FakeScheduler:
         self.bound: dict[str, Binding] = {}
         self.tombstones: dict[str, str] = {}  # sandbox id -> the node it was killed on (no expiry)
         self.placements: list[str] = []
+        self.released: list[tuple[str | None, str]] = []  # (sandbox id, node id) of each release
 
     async def register(self, node: NodeInfo) -> NodeInfo:
         self.infos[node.node_id] = node
@@ -95,6 +96,9 @@ class FakeScheduler:
                 return
             binding = binding.model_copy(update={"durable": False})
         self.bound[binding.sandbox_id] = binding
+
+    async def release(self, request: Placement, node_id: str) -> None:
+        self.released.append((request.sandbox_id, node_id))
 
     async def tombstone(self, sandbox_id: str, node_id: str) -> Binding:
         binding = (await self.locate(sandbox_id))[0]

@@ -170,6 +170,7 @@ async def test_a_durable_pause_its_node_took_back_is_lost_with_the_node(cluster:
     lost = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
     message = lost.json()["message"]
     assert lost.status_code == 404 and "was lost" in message and "node na is down" in message, lost.text
+    assert cluster.scheduler.released == [(sandbox_id, "nb")]  # the room nb kept for it is free again
 
 
 async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None:

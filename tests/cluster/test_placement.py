@@ -205,6 +205,24 @@ async def test_resume_placement(scheduler: ClusterScheduler) -> None:
         await scheduler.place(Placement(kind="resume"))
 
 
+async def test_a_resume_placement_released_frees_its_room(scheduler: ClusterScheduler) -> None:
+    """A take-over that failed gives back the room its placement reserved (a create's goes with
+    its unbind): else each failed attempt would hold it for a minute."""
+    await scheduler.register(node("small", memory_mib=1024))
+    await scheduler.register(node("home"))
+    await scheduler.bind(Binding(sandbox_id="s1", node_id="home", state="paused", durable=True))
+    resume = Placement(kind="resume", sandbox_id="s1", exclude=["home"])
+    assert (await scheduler.place(resume)).node_id == "small"
+    assert (await scheduler.place(resume)).node_id == "small"  # the same sandbox: room held once
+    await scheduler.place(Placement(memory_mib=512, exclude=["home"]))
+    with pytest.raises(Unavailable):
+        await scheduler.place(Placement(memory_mib=512, exclude=["home"]))
+    await scheduler.release(resume, "small")
+    assert (await scheduler.place(Placement(memory_mib=512, exclude=["home"]))).node_id == "small"
+    with pytest.raises(InvalidRequest):
+        await scheduler.release(Placement(sandbox_id="s1"), "small")
+
+
 async def test_state_survives_a_scheduler_restart_and_heartbeats_after_a_flush_say_register(
     redis_url: str,
 ) -> None:

@@ -72,6 +72,10 @@ async def test_round_trip(client: SchedulerClient) -> None:
         await client.bind(Binding(sandbox_id="s2", node_id="a", state="paused"))
     with pytest.raises(NotFound):
         await client.tombstone("s2", "a")
+    await client.bind(Binding(sandbox_id="s3", node_id="a", state="paused", durable=True))
+    resume = Placement(kind="resume", sandbox_id="s3", exclude=["a"])
+    assert (await client.place(resume)).node_id == "b"
+    await client.release(resume, "b")  # its take-over failed there
     assert (await client.drain("b")).status == "draining"
     assert (await client.node("b")).status == "draining"
 
@@ -85,6 +89,8 @@ async def test_errors_come_back_typed(client: SchedulerClient, server: TestServe
         await client.place(Placement())
     with pytest.raises(InvalidRequest, match="sandbox_id"):
         await client.place(Placement(kind="resume"))
+    with pytest.raises(InvalidRequest, match="only a resume's placement"):
+        await client.release(Placement(sandbox_id="s1"), "a")
     raw = httpx.AsyncClient(base_url=str(server.make_url("")), headers={CLUSTER_SECRET_HEADER: SECRET})
     async with raw:
         bad = await raw.post("/placements", json={"memory_mib": 0})

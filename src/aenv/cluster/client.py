@@ -109,6 +109,9 @@ class SchedulerClient:
         params = {"observed": "true"} if observed else {}
         await self._request("PUT", f"/bindings/{_id(binding.sandbox_id)}", binding, **params)
 
+    async def release(self, request: Placement, node_id: str) -> None:
+        await self._request("POST", "/placements/release", request, node_id=node_id)
+
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         await self._request("DELETE", f"/bindings/{_id(sandbox_id)}", node_id=node_id)
 

@@ -437,13 +437,19 @@ class ClusterNode:
 
     async def _take_over(self, binding: Binding, timeout: int | None) -> SandboxRecord:
         """On the scheduler's choice of node (not the holder), which claims the pause in the
-        repository; a refused claim (409: taken by another) is the answer."""
+        repository; a refused claim (409: taken by another) is the answer. A node's refusal
+        frees the room the placement reserved there; an unreachable node's room expires."""
         placement = Placement(
             kind="resume", sandbox_id=binding.sandbox_id, template=binding.template_id,
             exclude=[binding.node_id],
         )  # fmt: skip
         info = await self.scheduler.place(placement)
-        record = await self.remote(info).take_over(binding.sandbox_id, timeout)
+        try:
+            record = await self.remote(info).take_over(binding.sandbox_id, timeout)
+        except SandboxError as exc:
+            if not isinstance(exc, Unavailable):  # refused, so nothing runs there: free its room
+                await self._after(binding.sandbox_id, self.scheduler.release(placement, info.node_id))
+            raise
         try:
             await self._after(record.sandbox_id, self._bind(record, info.node_id))
         except SandboxKilled:  # killed while the take-over ran: its new node's report kills it

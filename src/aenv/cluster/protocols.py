@@ -65,6 +65,12 @@ class Scheduler(Protocol):
         that state, and otherwise binds it with `durable` false."""
         ...
 
+    async def release(self, request: Placement, node_id: str) -> None:
+        """Free the room a resume's placement reserved on `node_id` for a take-over that failed
+        there (a create's is freed by `unbind`), rather than hold it until it expires. A no-op
+        once that room is spent or expired. InvalidRequest for a create's placement."""
+        ...
+
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         """Forget a sandbox, only if it is still bound to `node_id` (a late call from a node the
         sandbox has left must not remove its new binding). A binding recorded by a create's

@@ -14,6 +14,8 @@ cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
     POST   /nodes/{node_id}/drain       NodeInfo
     POST   /placements                  Placement -> NodeInfo (503 when no node has room; 409
                                         when a create's sandbox_id is bound already)
+    POST   /placements/release?node_id=N  Placement -> 204: a resume's room on N freed
+                                        (`Scheduler.release`)
     GET    /bindings[?node_id=N]        [Binding]
     GET    /bindings/{sandbox_id}       Location {"binding", "node"}
     PUT    /bindings/{sandbox_id}[?observed=true]  Binding -> 204 (`Scheduler.bind`)
@@ -119,6 +121,11 @@ class ClusterScheduler:
     async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         await self.state.bind(binding, observed=observed)
 
+    async def release(self, request: Placement, node_id: str) -> None:
+        if request.kind != "resume" or not request.sandbox_id:
+            raise InvalidRequest("only a resume's placement is released (a create's is unbound)")
+        await self.state.release(request, node_id)
+
     async def unbind(self, sandbox_id: str, node_id: str) -> None:
         await self.state.unbind(sandbox_id, node_id)
 
@@ -204,6 +211,11 @@ async def place(request: web.Request) -> web.Response:
     return _json(await _scheduler(request).place(await parse(request, Placement)))
 
 
+async def release(request: web.Request) -> web.Response:
+    await _scheduler(request).release(await parse(request, Placement), _id(request, "node_id"))
+    return web.Response(status=204)
+
+
 async def list_bindings(request: web.Request) -> web.Response:
     node_id = _id(request, "node_id") if "node_id" in request.query else None
     return _json(await _scheduler(request).bindings(node_id))
@@ -265,6 +277,7 @@ def scheduler_app(scheduler: ClusterScheduler, secret: str | None) -> web.Applic
     app.router.add_post("/nodes/{node_id}/heartbeat", heartbeat)
     app.router.add_post("/nodes/{node_id}/drain", drain)
     app.router.add_post("/placements", place)
+    app.router.add_post("/placements/release", release)
     app.router.add_get("/bindings", list_bindings)
     app.router.add_get("/bindings/{sandbox_id}", locate)
     app.router.add_put("/bindings/{sandbox_id}", bind)

@@ -27,7 +27,8 @@ Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
 A placement chooses its node and reserves its room in one script (`place`); the sandbox's first
 running bind on that node turns the reservation into a pending entry, and the node's next
 heartbeat, whose usage now counts the sandbox, clears the pending entries. A reservation whose
-create never binds (it failed, its gateway died) expires after `RESERVATION_TTL`.
+create never binds (it failed, its gateway died) expires after `RESERVATION_TTL`; a resume's
+(a take-over) is named by its sandbox, so that one a node refused is released at once.
 
 A create's placement names the sandbox (the gateway chose its id) and records its binding in the
 same script, so the gateway's create is one scheduler call and the sandbox is locatable from the
@@ -498,7 +499,7 @@ class ClusterState:
         request's as the nodes' caches name it. None when no node has room; Conflict if the
         sandbox is bound already; NotFound for a resume of an unbound one."""
         named = request.kind == "create" and bool(request.sandbox_id)
-        token = request.sandbox_id if named else secrets.token_hex(8)
+        token = request.sandbox_id or secrets.token_hex(8)  # a resume's is its sandbox's (`release`)
         keys = [f"{PREFIX}nodes", f"{PREFIX}bindings", f"{PREFIX}placing"]
         args = [PREFIX, request.memory_mib, request.vcpus, self.reservation_ttl, self.down_after, template,
                 request.kind, request.sandbox_id or "", "1" if named else "", token, request.template,
@@ -524,6 +525,12 @@ class ClusterState:
             binding = binding.model_copy(update={"durable": False})
         args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state, int(observed)]
         await self._run("bind", keys, args)
+
+    async def release(self, request: Placement, node_id: str) -> None:
+        """Drop the reservation a resume's placement made on `node_id` (named by its sandbox, as
+        `_PLACE` names it)."""
+        member = f"{request.sandbox_id}:{request.memory_mib}:{request.vcpus}"
+        await self.redis.zrem(f"{PREFIX}reserved:{node_id}", member)
 
     async def unbind(self, sandbox_id: str, node_id: str) -> bool:
         """Forget the sandbox if it is bound to `node_id` (with its reservation, if its create
