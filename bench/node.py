@@ -106,13 +106,15 @@ class Node:
         return None
 
     def warm_ready(self, snapshot_id: str) -> int:
-        """Warm VMs of a snapshot that are ready (their record is written after their envd answered)."""
+        """Warm VMs of a snapshot that are ready: in the pool, their restore, rehearsal and clock
+        setting done (their record says so; it exists from the QEMU process's start on)."""
         ready = 0
         if self.home is None:
             return ready
         for record in (self.home / "runtime" / "warm").glob("*/warm.json"):
             with contextlib.suppress(OSError, ValueError):
-                ready += json.loads(record.read_text()).get("snapshot_id") == snapshot_id
+                found = json.loads(record.read_text())
+                ready += found.get("snapshot_id") == snapshot_id and found.get("ready") is True
         return ready
 
 

@@ -265,7 +265,9 @@ def test_garbage_is_collected(base_template, engine, sandboxes):
     sandboxes.node.run(engine.pool.set_target(base_template.id, 1))
     try:
         sandboxes.node.run(engine.pool.wait_filled(base_template.id))
-        warm = [WarmRecord.load(r).top_layer for r in WarmRecord.found(engine.warm.directory)]
+        records = [WarmRecord.load(r) for r in WarmRecord.found(engine.warm.directory)]
+        assert all(r.ready for r in records)  # in the pool: its record says so (the bench waits for it)
+        warm = [r.top_layer for r in records]
         report = engine.collect_garbage(grace_seconds=0)
         # What a running sandbox or a warm VM writes to is never garbage, however old.
         kept = [*warm, running.vm.state.disk_layers[-1]]

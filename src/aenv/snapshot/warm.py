@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..network.egress import EgressPolicy
@@ -44,15 +45,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WarmRecord:
-    """What a warm VM owns, on disk while it lives: its QEMU, disk layer, namespace and lease."""
+    """What a warm VM owns, on disk while it lives: its QEMU, disk layer, namespace and lease;
+    and whether it is ready (in the pool), which is what an observer such as the bench waits for."""
 
     pid: int
     snapshot_id: str
     top_layer: str
     network: str
+    ready: bool = False
 
     def save(self, workdir: Path) -> None:
-        (workdir / WARM_FILE).write_text(json.dumps(asdict(self)))
+        """Written whole or not at all: a torn record would hide its QEMU from the recovery."""
+        tmp = workdir / f".{WARM_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, workdir / WARM_FILE)
 
     @staticmethod
     def found(warm_dir: Path) -> Iterator[Path]:
@@ -97,7 +103,8 @@ class WarmVMs:
             vm = await self.clones.spawn(manifest, top, workdir, network)
             # Recorded as soon as its process exists: a node that dies while the guest is still
             # being restored leaves a record for the next one to end it by (`cleanup_warm_leftovers`).
-            WarmRecord(vm.pid, manifest.id, top, network.name).save(workdir)
+            record = WarmRecord(vm.pid, manifest.id, top, network.name)
+            record.save(workdir)
             runtime = host.runtime
             await self.clones.load(
                 vm, manifest, runtime.memory_deltas(manifest), runtime.template_stream(manifest)
@@ -114,6 +121,7 @@ class WarmVMs:
                 rehearsal.close()
             await envd.init(clock_payload(), timeout=REFRESH_TIMEOUT)
             runtime.restored(manifest)
+            replace(record, ready=True).save(workdir)
         except BaseException:
             if vm is not None:
                 await vm.kill()
