@@ -27,6 +27,7 @@ from aenv.config import Settings
 from aenv.devnode import DevNode
 from aenv.paths import repository_dir
 from aenv.snapshot.repository import RepositoryError, SnapshotRepository
+from aenv.snapshot.warm import WarmRecord
 
 REPO = Path(__file__).resolve().parents[1]
 SLOT_FIRST = 12288
@@ -108,14 +109,7 @@ class Node:
     def warm_ready(self, snapshot_id: str) -> int:
         """Warm VMs of a snapshot that are ready: in the pool, their restore, rehearsal and clock
         setting done (their record says so; it exists from the QEMU process's start on)."""
-        ready = 0
-        if self.home is None:
-            return ready
-        for record in (self.home / "runtime" / "warm").glob("*/warm.json"):
-            with contextlib.suppress(OSError, ValueError):
-                found = json.loads(record.read_text())
-                ready += found.get("snapshot_id") == snapshot_id and found.get("ready") is True
-        return ready
+        return 0 if self.home is None else WarmRecord.ready_count(self.home / "runtime" / "warm", snapshot_id)
 
 
 def remote_node() -> Node | None:

@@ -7,8 +7,6 @@ step, a cached rebuild, and sandboxes then start from the results by name and ta
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +18,7 @@ import pytest
 from e2b import Sandbox, Template, wait_for_file
 from e2b.exceptions import BuildException
 
+from aenv.snapshot.warm import WarmRecord
 from tests.e2e.conftest import NodeServer, wait_until
 from tests.e2e.test_js_sdk import installed_sdk, run_script
 from tests.template.conftest import run_registry
@@ -109,12 +108,8 @@ def test_build_from_a_registry_image_with_every_step_and_rebuild_from_cache(
 
 
 def warm_vms(node: NodeServer, snapshot_id: str) -> int:
-    """The node's ready warm VMs of a snapshot (their records under its runtime)."""
-    count = 0
-    for record in (node.home / "runtime" / "warm").glob("*/warm.json"):
-        with contextlib.suppress(OSError, ValueError):  # one being written or ended meanwhile
-            count += json.loads(record.read_text()).get("snapshot_id") == snapshot_id
-    return count
+    """The node's ready warm VMs of a snapshot (their records under its runtime say so)."""
+    return WarmRecord.ready_count(node.home / "runtime" / "warm", snapshot_id)
 
 
 def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:

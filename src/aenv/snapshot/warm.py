@@ -9,6 +9,7 @@ stop cleanly leaves nothing behind: the next one ends it (`aenv.snapshot.recover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -68,6 +69,17 @@ class WarmRecord:
     @classmethod
     def load(cls, record: Path) -> WarmRecord:
         return cls(**json.loads(record.read_text()))
+
+    @classmethod
+    def ready_count(cls, warm_dir: Path, snapshot_id: str) -> int:
+        """How many warm VMs of a snapshot are in the pool, as their records say: for whoever
+        watches a node from outside (the bench, tests). One that ends meanwhile is not counted."""
+        count = 0
+        for record in cls.found(warm_dir):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                found = cls.load(record)
+                count += found.snapshot_id == snapshot_id and found.ready
+        return count
 
 
 class WarmVMs:
