@@ -64,6 +64,14 @@ def clock_payload() -> dict[str, Any]:
     return {"timestamp": utc_timestamp()}
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Replace `path` with `text`, whole or not at all for a reader or a crash of this process (not
+    fsynced: node-local state that a host crash takes along with the VMs it describes)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 @dataclass
 class SandboxState:
     """What survives the QEMU process of a sandbox: enough to resume it, also after a node restart."""
@@ -87,9 +95,7 @@ class SandboxState:
         return EgressPolicy(**self.policy)
 
     def save(self, workdir: Path) -> None:
-        tmp = workdir / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, workdir / STATE_FILE)
+        replace_text(workdir / STATE_FILE, json.dumps(asdict(self)))
 
     @classmethod
     def load(cls, workdir: Path) -> SandboxState:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -27,7 +26,7 @@ from ..vmm.machine import VirtualMachine
 from .clones import Clones
 from .host import Host
 from .manifest import SnapshotManifest
-from .model import GuestInit, SandboxState, SandboxVM, clock_payload
+from .model import GuestInit, SandboxState, SandboxVM, clock_payload, replace_text
 from .warm_pool import REFRESH_INTERVAL, WarmVM
 
 WARM_FILE = "warm.json"
@@ -57,9 +56,7 @@ class WarmRecord:
 
     def save(self, workdir: Path) -> None:
         """Written whole or not at all: a torn record would hide its QEMU from the recovery."""
-        tmp = workdir / f".{WARM_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, workdir / WARM_FILE)
+        replace_text(workdir / WARM_FILE, json.dumps(asdict(self)))
 
     @staticmethod
     def found(warm_dir: Path) -> Iterator[Path]:
