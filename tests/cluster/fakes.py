@@ -90,10 +90,14 @@ class FakeScheduler:
     async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         if binding.sandbox_id in self.tombstones:
             raise SandboxKilled(f"sandbox {binding.sandbox_id} was killed: it is not bound again")
+        was = self.bound.get(binding.sandbox_id)
+        if (
+            was is not None
+            and was.node_id == binding.node_id
+            and (was.generation > binding.generation or (observed and was.state == binding.state))
+        ):
+            return  # late, or an observed bind of the state the node reported already
         if observed:
-            was = self.bound.get(binding.sandbox_id)
-            if was is not None and (was.node_id, was.state) == (binding.node_id, binding.state):
-                return
             binding = binding.model_copy(update={"durable": False})
         self.bound[binding.sandbox_id] = binding
 
@@ -163,7 +167,7 @@ class FakeNode:
         sandbox = record(
             sandbox_id=request.sandbox_id or f"s{self.node_id}{next(_ids)}", started_at=started,
             template_id=request.template, metadata=request.metadata, env_vars=request.env_vars,
-            envd_token="envd-token",
+            envd_token="envd-token", generation=1,
         )  # fmt: skip
         self.sandboxes[sandbox.sandbox_id] = sandbox
         return sandbox
@@ -179,11 +183,13 @@ class FakeNode:
     async def kill(self, sandbox_id: str) -> None:
         self.sandboxes.pop(self._get(sandbox_id).sandbox_id)
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxRecord:
         sandbox = self._get(sandbox_id)
         if sandbox.state != State.RUNNING:
             raise Conflict(f"sandbox {sandbox_id} is not running")
         sandbox.state = State.PAUSED
+        sandbox.generation += 1
+        return sandbox
 
     async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
         if sandbox_id not in self.repository:
@@ -206,6 +212,7 @@ class FakeNode:
         sandbox = self._get(sandbox_id)
         resumed = sandbox.state == State.PAUSED
         sandbox.state = State.RUNNING
+        sandbox.generation += resumed
         return sandbox, resumed
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]:

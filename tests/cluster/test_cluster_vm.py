@@ -216,6 +216,9 @@ def test_the_python_sdk_through_a_gateway_uses_every_node(cluster: Cluster) -> N
     assert first.pause()
     assert Sandbox.get_info(first.sandbox_id).state == SandboxState.PAUSED
     resumed = Sandbox.connect(first.sandbox_id)
+    with cluster.state() as state:  # the node's count of settled changes: created, paused, resumed
+        binding = state.get(f"/bindings/{first.sandbox_id}").raise_for_status().json()["binding"]
+    assert binding["state"] == "running" and binding["generation"] >= 3, binding
     assert resumed.files.read("/home/user/kept.txt") == "through the gateway"
     assert cluster.node_of(first.sandbox_id) == homes[first.sandbox_id]  # resumed where it was paused
     paginator = Sandbox.list(query=mine, limit=3)

@@ -154,6 +154,26 @@ async def test_a_pause_after_a_durable_one_is_not_durable_until_its_node_says_so
     assert waiting.status_code == 503 and "not in a shared repository" in waiting.json()["message"]
 
 
+async def test_a_report_read_before_a_pause_does_not_undo_it(cluster: Cluster) -> None:
+    """A node sends its changed bindings one by one, as read when its report began: one read
+    before a pause through the gateway can arrive after the gateway's bind of the pause. That
+    bind carries the node's generation of the sandbox, so the late report changes nothing."""
+    sandbox_id = (await cluster.create())["sandboxID"]
+    running = cluster.scheduler.bound[sandbox_id].model_copy(update={"generation": 1})  # the node's report
+    await cluster.scheduler.bind(running)
+    assert (await cluster.gateway.post(f"/sandboxes/{sandbox_id}/pause")).status_code == 204
+    await cluster.scheduler.bind(running)  # the node's late report
+    paused = cluster.scheduler.bound[sandbox_id]
+    assert (paused.state, paused.generation) == ("paused", 2)
+    resumed = await cluster.gateway.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 60})
+    assert resumed.status_code == 201
+    await cluster.scheduler.bind(paused)  # and its report of the pause, late as well
+    assert (cluster.scheduler.bound[sandbox_id].state, cluster.scheduler.bound[sandbox_id].generation) == (
+        "running",
+        3,
+    )
+
+
 async def test_a_durable_pause_its_node_took_back_is_lost_with_the_node(cluster: Cluster) -> None:
     """The node resumed a durable pause (which left the repository) and went down before the
     scheduler heard of it: the binding still says paused and durable. The take-over finds no
@@ -593,6 +613,13 @@ async def test_the_gateway_over_the_real_scheduler(redis_url: str) -> None:
             assert len((await api.get("/v2/sandboxes")).json()) == 4
             assert (await api.delete(f"/sandboxes/{created[0]}")).status_code == 204
             assert {b.sandbox_id for b in await scheduler.bindings()} == set(created[1:])
+            placed, _ = await scheduler.locate(created[1])
+            running = placed.model_copy(update={"generation": 1})
+            await scheduler.bind(running)  # its node's report of the create
+            assert (await api.post(f"/sandboxes/{created[1]}/pause")).status_code == 204
+            await scheduler.bind(running)  # and that report again, read before the pause, arriving late
+            paused, _ = await scheduler.locate(created[1])
+            assert (paused.state, paused.generation) == ("paused", 2)
             assert {n["id"] for n in (await api.get("/nodes")).json()} == {"na", "nb"}
     finally:
         await scheduler.close()

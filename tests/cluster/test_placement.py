@@ -158,6 +158,28 @@ async def test_an_observed_bind_changes_only_the_state(scheduler: ClusterSchedul
     assert (await scheduler.locate("s1"))[0] == Binding(sandbox_id="s1", node_id="a", state="paused")
 
 
+async def test_a_late_bind_never_undoes_a_newer_one(scheduler: ClusterScheduler) -> None:
+    """A node's report read before a pause, arriving after the gateway bound the pause (and the
+    gateway's bind of a resume, arriving after the node reported a later pause) change nothing."""
+    await scheduler.register(node("a"))
+    await scheduler.register(node("b"))
+    running = Binding(sandbox_id="s1", node_id="a", generation=1)
+    await scheduler.bind(running)
+    paused = Binding(sandbox_id="s1", node_id="a", state="paused", generation=2)
+    await scheduler.bind(paused, observed=True)  # the gateway's, as the pause answered
+    await scheduler.bind(running)  # the node's report, read before the pause
+    assert (await scheduler.locate("s1"))[0] == paused
+    durable = paused.model_copy(update={"durable": True, "generation": 3})
+    await scheduler.bind(durable)  # the node's report once the pause committed
+    await scheduler.bind(running.model_copy(update={"generation": 2}), observed=True)  # a stale resume's
+    assert (await scheduler.locate("s1"))[0] == durable
+    await scheduler.bind(Binding(sandbox_id="s1", node_id="a", generation=3))  # read while it resumes
+    assert (await scheduler.locate("s1"))[0].state == "running"
+    taken = Binding(sandbox_id="s1", node_id="b", generation=1)  # generations count per node
+    await scheduler.bind(taken)
+    assert (await scheduler.locate("s1"))[0] == taken
+
+
 async def test_bindings_locate_and_guarded_unbind(scheduler: ClusterScheduler) -> None:
     await scheduler.register(node("a"))
     await scheduler.register(node("b"))

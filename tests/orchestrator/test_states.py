@@ -33,6 +33,20 @@ def test_success_settles_in_the_target_and_persists_once() -> None:
     assert sandbox.state is State.RUNNING  # back where it started
 
 
+def test_each_settled_change_of_state_is_a_new_generation() -> None:
+    """The cluster orders reports of a sandbox by its generation: one per settled change."""
+    sandbox = record(State.RUNNING)
+    generations = [sandbox.generation]
+    for op in (Op.PAUSE, Op.RESUME, Op.SNAPSHOT, Op.EXTEND):
+        with transition(sandbox, op, lambda r: None):
+            assert sandbox.generation == generations[-1]  # a report meanwhile has the last one
+        generations.append(sandbox.generation)
+    assert generations == [0, 1, 2, 2, 2]  # a snapshot or a new timeout leaves the state as it was
+    with pytest.raises(RuntimeError), transition(sandbox, Op.PAUSE, lambda r: None):
+        raise RuntimeError("QEMU went away")
+    assert sandbox.generation == 2
+
+
 def test_failure_returns_to_the_source_state_without_persisting() -> None:
     saved: list[State] = []
     sandbox = record(State.RUNNING)

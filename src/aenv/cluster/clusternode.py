@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import fields, replace
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -185,17 +185,15 @@ class ClusterNode:
         return False
 
     async def _bind(self, record: SandboxRecord, node_id: str) -> None:
-        """What an operation on the node made of the sandbox (an observed bind, `Scheduler.bind`)."""
+        """What an operation on the node made of the sandbox, as the node answered it (an observed
+        bind, `Scheduler.bind`): with its generation, so that neither this bind nor the node's
+        own report of the same sandbox undoes a later one."""
         state = "paused" if record.state == "paused" else "running"
         binding = Binding(
-            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id
-        )
+            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id,
+            generation=record.generation,
+        )  # fmt: skip
         await self.scheduler.bind(binding, observed=True)
-
-    async def _observe(self, binding: Binding, state: Literal["running", "paused"]) -> None:
-        """An operation on the node just put the sandbox in `state` (an observed bind: the
-        located binding's `durable` may be out of date, the node's own report is not)."""
-        await self.scheduler.bind(binding.model_copy(update={"state": state}), observed=True)
 
     # -- sandboxes ---------------------------------------------------------------------------
 
@@ -370,12 +368,13 @@ class ClusterNode:
         await node.kill(binding.sandbox_id)
         await self._after(binding.sandbox_id, self.scheduler.unbind(binding.sandbox_id, node.node_id))
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
-        async def pause(node: RemoteNode, binding: Binding) -> None:
-            await node.pause(sandbox_id, memory=memory)
-            await self._after(sandbox_id, self._observe(binding, "paused"))
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxRecord:
+        async def pause(node: RemoteNode, binding: Binding) -> SandboxRecord:
+            record = await node.pause(sandbox_id, memory=memory)
+            await self._after(sandbox_id, self._bind(record, node.node_id))
+            return record
 
-        await self._on_holder(sandbox_id, pause)
+        return await self._on_holder(sandbox_id, pause)
 
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True
@@ -457,8 +456,9 @@ class ClusterNode:
         return record
 
     async def _rebind(self, binding: Binding, record: SandboxRecord) -> None:
+        """After a connect or resume on the sandbox's node: bound as running, if it was not."""
         if binding.state != "running":
-            await self._after(record.sandbox_id, self._observe(binding, "running"))
+            await self._after(record.sandbox_id, self._bind(record, binding.node_id))
 
     async def _after(self, sandbox_id: str, change: Awaitable[object]) -> None:
         """A binding change that follows what a node did. The node's membership reports the same

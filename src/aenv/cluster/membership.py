@@ -109,6 +109,7 @@ class OrchestratorSource:
                     template_id=s.record.template_id,
                     # Committed to a shared repository: any node can take it over (NodeService.take_over).
                     durable=s.record.durable,
+                    generation=s.record.generation,
                 )
                 for s in sandboxes
                 if s.record.state not in UNBOUND

@@ -47,13 +47,16 @@ class NodeInfo(BaseModel):
 
 class Binding(BaseModel):
     """Which node holds a sandbox. `durable`: its paused state is committed to the shared
-    repository, so any node can resume it when its own node is gone."""
+    repository, so any node can resume it when its own node is gone. `generation`: the node's
+    count of the sandbox's settled changes (`SandboxRecord.generation`) when this was read, so
+    that a report that took longer to arrive than a later one does not undo it (0: unknown)."""
 
     sandbox_id: str = Field(pattern=ID_PATTERN)
     node_id: str = Field(pattern=ID_PATTERN)
     state: Literal["running", "paused"] = "running"
     template_id: str = ""
     durable: bool = False
+    generation: int = Field(default=0, ge=0)
 
 
 class Placement(BaseModel):

@@ -62,7 +62,12 @@ class Scheduler(Protocol):
         The node reports the same change itself, and may have reported a later one (its pause
         made durable) before this arrives, so an observed bind changes only the state and
         never says a pause is durable: it is a no-op while the sandbox is bound to that node in
-        that state, and otherwise binds it with `durable` false."""
+        that state, and otherwise binds it with `durable` false.
+
+        A bind whose `generation` is lower than that of the sandbox's binding to the same node is
+        late (read before a change that another bind has reported already) and changes nothing:
+        a node's report sent while a gateway's pause ran never undoes the gateway's bind of the
+        pause, nor a gateway's bind of a resume the node's report of a later pause."""
         ...
 
     async def release(self, request: Placement, node_id: str) -> None:

@@ -113,8 +113,8 @@ class RemoteNode:
     async def kill(self, sandbox_id: str) -> None:
         await self._call("kill", sandbox_id=sandbox_id)
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
-        await self._call("pause", sandbox_id=sandbox_id, memory=memory)
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxRecord:
+        return await self._call("pause", sandbox_id=sandbox_id, memory=memory)
 
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True

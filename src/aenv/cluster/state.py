@@ -3,8 +3,9 @@
 Nothing of it lives in a scheduler's memory, so any number of schedulers can serve the same
 cluster and a scheduler restart loses nothing. Every change that reads before it writes runs as
 one Lua script, atomic in Redis: two schedulers never both spend the same room on a node, and a
-late unbind from a node the sandbox has left never removes its new binding. Times are Redis's
-own clock (`TIME`), so schedulers on hosts whose clocks disagree still agree on who is down.
+late unbind from a node the sandbox has left never removes its new binding, nor a late bind (of
+an older generation of the sandbox on its node) a newer one. Times are Redis's own clock
+(`TIME`), so schedulers on hosts whose clocks disagree still agree on who is down.
 
 Key layout (prefix `aenv:`; `{node}` a node id, `{sandbox}` a sandbox id):
 
@@ -123,11 +124,13 @@ return 1
 """
 
 # KEYS: bindings hash, node hash, bound set, reserved zset, pending hash (all of the new node),
-# placing hash. ARGV: prefix, sandbox id, binding, node id, state, observed ('1' or '0').
-# A killed sandbox (its tombstone) is never bound again. An observed bind (a gateway's, see
-# `Scheduler.bind`) of the state the sandbox has on that node already changes nothing. A
-# sandbox's first running bind on a node spends its own placement's reservation, else the
-# oldest one (a fork's child, or a create placed without a name).
+# placing hash. ARGV: prefix, sandbox id, binding, node id, state, observed ('1' or '0'),
+# generation. A killed sandbox (its tombstone) is never bound again. A bind older than the
+# binding the node has already (a lower generation of the sandbox on that node) is late, and
+# changes nothing; so does an observed bind (a gateway's, see `Scheduler.bind`) of the state the
+# sandbox has on that node already. A sandbox's first running bind on a node spends its own
+# placement's reservation, else the oldest one (a fork's child, or a create placed without a
+# name).
 _BIND = (
     _NOW
     + """
@@ -136,15 +139,15 @@ if redis.call('EXISTS', ARGV[1] .. 'tombstone:' .. ARGV[2]) == 1 then
   return redis.error_reply('AENV_KILLED ' .. ARGV[2])
 end
 local old = redis.call('HGET', KEYS[1], ARGV[2])
-if old and ARGV[6] == '1' then
-  local was = cjson.decode(old)
-  if was.node_id == ARGV[4] and was.state == ARGV[5] then return 0 end
+local was = old and cjson.decode(old)
+if was and was.node_id == ARGV[4] then
+  if (was.generation or 0) > tonumber(ARGV[7]) then return 0 end
+  if ARGV[6] == '1' and was.state == ARGV[5] then return 0 end
 end
 local started = ARGV[5] == 'running'
 local placed = redis.call('HGET', KEYS[6], ARGV[2])
 if placed and started then redis.call('HDEL', KEYS[6], ARGV[2]) end
-if old then
-  local was = cjson.decode(old)
+if was then
   if was.node_id ~= ARGV[4] then
     if not started then  -- it moves only by starting elsewhere: this is a node's late report
       return redis.error_reply('AENV_MOVED ' .. ARGV[2] .. ' ' .. was.node_id)
@@ -517,13 +520,15 @@ class ClusterState:
         """Record where the sandbox is; NotFound for an unregistered node, Conflict when a node
         reports as paused a sandbox bound to another node now. A sandbox moves between nodes only
         by starting on the new one (a take-over), so that node's report is late: the sandbox
-        was taken over from it, and may be paused again over there."""
+        was taken over from it, and may be paused again over there. A bind of an older
+        generation than the node's binding of the sandbox is late too, and is dropped."""
         node = binding.node_id
         keys = [f"{PREFIX}bindings", f"{PREFIX}node:{node}", f"{PREFIX}bound:{node}",
                 f"{PREFIX}reserved:{node}", f"{PREFIX}pending:{node}", f"{PREFIX}placing"]  # fmt: skip
         if observed:
             binding = binding.model_copy(update={"durable": False})
-        args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state, int(observed)]
+        args = [PREFIX, binding.sandbox_id, binding.model_dump_json(), node, binding.state, int(observed),
+                binding.generation]  # fmt: skip
         await self._run("bind", keys, args)
 
     async def release(self, request: Placement, node_id: str) -> None:

@@ -118,8 +118,9 @@ class NodeService(Protocol):
 
     async def kill(self, sandbox_id: str) -> None: ...
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
-        """Pause the sandbox; without `memory` only its disk is kept (its resume boots afresh)."""
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxRecord:
+        """Pause the sandbox; without `memory` only its disk is kept (its resume boots afresh).
+        Returns the paused sandbox."""
         ...
 
     async def connect(

@@ -110,8 +110,10 @@ class LocalNode:
     async def kill(self, sandbox_id: str) -> None:
         await self.orchestrator.kill(self._sandbox(sandbox_id))
 
-    async def pause(self, sandbox_id: str, *, memory: bool = True) -> None:
-        await self.orchestrator.pause(self._sandbox(sandbox_id), memory=memory)
+    async def pause(self, sandbox_id: str, *, memory: bool = True) -> SandboxRecord:
+        sandbox = self._sandbox(sandbox_id)
+        await self.orchestrator.pause(sandbox, memory=memory)
+        return sandbox.record
 
     async def connect(
         self, sandbox_id: str, timeout: int | None, *, memory: bool = True

@@ -685,6 +685,7 @@ class Orchestrator:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is not None and sandbox.record.state in (State.PAUSING, State.PAUSED):
             sandbox.record.durable = True
+            sandbox.record.generation += 1
             self.store.put(sandbox.record)
             self.on_changed(sandbox_id)  # the scheduler may now resume it on another node
 
@@ -820,6 +821,7 @@ class Orchestrator:
                 **source.__dict__,
                 "sandbox_id": new_sandbox_id(),
                 "state": State.CREATING,
+                "generation": 0,
                 "created_at": rfc3339(now),
                 "started_at": rfc3339(now),
                 "end_at": rfc3339(now + timedelta(seconds=ttl)),

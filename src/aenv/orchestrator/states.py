@@ -100,7 +100,8 @@ def transition(
     """Run one operation's state change around the caller's work (the sandbox's lock is held).
 
     On success the record settles in the table's target state and is persisted (a removed
-    sandbox is left to its remover); on failure it goes back to the state it started from.
+    sandbox is left to its remover); on failure it goes back to the state it started from. A
+    settled state other than the one it started from counts as a new generation of the record.
     """
     rule = TRANSITIONS[op]
     if record.state not in rule.sources:
@@ -116,4 +117,6 @@ def transition(
     if rule.removes:
         return
     record.state = rule.target or source
+    if record.state != source:
+        record.generation += 1
     persist(record)

@@ -41,6 +41,9 @@ class SandboxRecord:
     volume_mounts: list[dict[str, str]] = field(default_factory=list)  # E2B's [{"name", "path"}]
     # Paused, and the pause is committed to the shared repository: another node can take it over.
     durable: bool = False
+    # Counts the changes of the state or of `durable` the node has settled and saved, so that the
+    # cluster's scheduler can tell a late report of this sandbox from a newer one (`Binding`).
+    generation: int = 0
 
     def __post_init__(self) -> None:
         self.state = State(self.state)  # rows store the state's plain string
