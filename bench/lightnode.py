@@ -53,8 +53,9 @@ class LightSource:
         state = api_state(record.state)
         node_id = self.node.node_id
         return Binding(
-            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id
-        )  # type: ignore[arg-type]
+            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id,
+            generation=record.generation,
+        )  # type: ignore[arg-type]  # fmt: skip
 
     def cached(self) -> list[str]:
         return [TEMPLATE.id, TEMPLATE.alias or ""]
