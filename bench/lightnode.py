@@ -22,8 +22,7 @@ from aenv.cluster.membership import Membership, NodeReport
 from aenv.cluster.model import Binding, NodeCapacity, NodeUsage
 from aenv.cluster.serving import listen_until_stopped
 from aenv.config import Settings
-from aenv.orchestrator.states import State, api_state
-from aenv.orchestrator.store import SandboxRecord
+from aenv.orchestrator.states import State
 from tests.cluster.fakes import FakeNode, manifest
 
 from .cluster import LIGHT_TEMPLATE
@@ -46,16 +45,8 @@ class LightSource:
         usage = NodeUsage(
             running=running, paused=len(records) - running, memory_mib=512 * running, vcpus=running
         )
-        bindings = {r.sandbox_id: self._binding(r) for r in records}
+        bindings = {r.sandbox_id: Binding.of(r, self.node.node_id) for r in records}
         return NodeReport(usage=usage, capacity=CAPACITY, bindings=bindings)
-
-    def _binding(self, record: SandboxRecord) -> Binding:
-        state = api_state(record.state)
-        node_id = self.node.node_id
-        return Binding(
-            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id,
-            generation=record.generation,
-        )  # type: ignore[arg-type]  # fmt: skip
 
     def cached(self) -> list[str]:
         return [TEMPLATE.id, TEMPLATE.alias or ""]

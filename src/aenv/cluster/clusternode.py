@@ -188,12 +188,7 @@ class ClusterNode:
         """What an operation on the node made of the sandbox, as the node answered it (an observed
         bind, `Scheduler.bind`): with its generation, so that neither this bind nor the node's
         own report of the same sandbox undoes a later one."""
-        state = "paused" if record.state == "paused" else "running"
-        binding = Binding(
-            sandbox_id=record.sandbox_id, node_id=node_id, state=state, template_id=record.template_id,
-            generation=record.generation,
-        )  # fmt: skip
-        await self.scheduler.bind(binding, observed=True)
+        await self.scheduler.bind(Binding.of(record, node_id), observed=True)
 
     # -- sandboxes ---------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from ..config import Settings
 from ..orchestrator.admission import free_disk_mib
 from ..orchestrator.errors import Conflict, NotFound, SandboxError
 from ..orchestrator.service import Orchestrator
-from ..orchestrator.states import State, api_state
+from ..orchestrator.states import State
 from .client import SchedulerClient
 from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
 from .protocols import SandboxKilled, Scheduler
@@ -101,18 +101,10 @@ class OrchestratorSource:
             capacity=NodeCapacity(
                 memory_mib=admission.memory_budget_mib, vcpus=os.cpu_count() or 1, disk_free_mib=max(0, free)
             ),
+            # A durable one is committed to a shared repository: any node can take it over
+            # (NodeService.take_over).
             bindings={
-                s.id: Binding(
-                    sandbox_id=s.id,
-                    node_id=self.node_id,
-                    state=api_state(s.record.state),  # type: ignore[arg-type]
-                    template_id=s.record.template_id,
-                    # Committed to a shared repository: any node can take it over (NodeService.take_over).
-                    durable=s.record.durable,
-                    generation=s.record.generation,
-                )
-                for s in sandboxes
-                if s.record.state not in UNBOUND
+                s.id: Binding.of(s.record, self.node_id) for s in sandboxes if s.record.state not in UNBOUND
             },
         )
 

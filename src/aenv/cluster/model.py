@@ -5,9 +5,14 @@ the JSON kept in Redis."""
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
+
+from ..orchestrator.states import api_state
+
+if TYPE_CHECKING:
+    from ..orchestrator.store import SandboxRecord
 
 # Node and sandbox ids: what the node and the orchestrator make (hex, [a-z0-9]), and safe in
 # Redis keys, URL paths and the scheduler's messages.
@@ -57,6 +62,14 @@ class Binding(BaseModel):
     template_id: str = ""
     durable: bool = False
     generation: int = Field(default=0, ge=0)
+
+    @classmethod
+    def of(cls, record: SandboxRecord, node_id: str) -> Binding:
+        """The binding of `node_id`'s sandbox as its record stands (in E2B's two states)."""
+        return cls(
+            sandbox_id=record.sandbox_id, node_id=node_id, state=api_state(record.state),  # type: ignore[arg-type]
+            template_id=record.template_id, durable=record.durable, generation=record.generation,
+        )  # fmt: skip
 
 
 class Placement(BaseModel):
