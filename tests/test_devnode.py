@@ -104,7 +104,9 @@ def test_node_on_a_seeded_home_builds_nothing_and_leaves_nothing(tmp_path: Path,
         pytest.skip("a node needs root (network namespaces)")
     template = SnapshotRepository(repository_dir(template_seed)).get("base")
     netns_before = netns_names()
-    node = DevNode(tmp_path / "home", slot_first=SLOT_FIRST, seed=template_seed, warm_pool_size=1)
+    node = DevNode(
+        tmp_path / "home", slot_first=SLOT_FIRST, seed=template_seed, warm_pool_size=1, log_format="json"
+    )
     with node:
         listed = httpx.get(f"{node.url}/templates/base", headers={"X-API-Key": node.key}, timeout=30)
         assert listed.status_code == 200 and listed.json()["templateID"] == template.id
@@ -115,5 +117,10 @@ def test_node_on_a_seeded_home_builds_nothing_and_leaves_nothing(tmp_path: Path,
         assert node.qemu_pids()
     log = node.log_path.read_text()
     assert "building the base template" not in log and "listening on" in log
+    # AENV_LOG_FORMAT=json: the node's lines are JSON objects, a create's with its sandbox's id
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(line["message"].startswith("aenv ") and line["logger"] == "aenv.node" for line in lines)
+    sandbox_id = created.json()["sandboxID"]
+    assert any(line.get("sandbox_id") == sandbox_id and "create" in line["message"] for line in lines)
     assert node.qemu_pids() == []
     assert {n for n in netns_names() - netns_before if n.startswith(f"aenv-s{SLOT_FIRST}-")} == set()

@@ -111,6 +111,7 @@ class Settings:
     # the node, back within this time, kills it instead of binding it again.
     tombstone_ttl: float = 30 * 86400.0
     log_level: str = "INFO"
+    log_format: str = "text"  # or json: one object a line, with the sandbox's id (aenv.logs)
 
     @property
     def host(self) -> str:
@@ -131,6 +132,8 @@ class Settings:
             problems.append(f"api_addr must be host:port, got {self.api_addr!r}")
         if self.shutdown_action not in ("pause", "kill"):
             problems.append(f"shutdown_action must be pause or kill, got {self.shutdown_action!r}")
+        if self.log_format not in ("text", "json"):
+            problems.append(f"log_format must be text or json, got {self.log_format!r}")
         if self.accel not in ("auto", "kvm", "tcg"):
             problems.append(f"accel must be auto, kvm or tcg, got {self.accel!r}")
         if self.repository.startswith("s3://"):

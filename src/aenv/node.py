@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
-from . import __version__, paths
+from . import __version__, logs, paths
 from .api import schemas
 from .api.runner import APIRunner
 from .api.server import NodeAPI
@@ -38,6 +39,7 @@ from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import SnapshotNotFound
 from .storage.open import Storage, open_storage
 from .storage.peers import BlobServer
+from .telemetry import Telemetry
 from .vmm import confine, merge
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
@@ -140,10 +142,12 @@ class Node:
         await self.housekeeper.start()
         for manifest in repository.list("template"):
             await engine.pool.set_target(manifest.id, settings.warm_pool_size)
-        service = LocalNode(self.orchestrator, self.housekeeper, node_id(home))
+        telemetry = Telemetry(CollectorRegistry())
+        service = LocalNode(self.orchestrator, self.housekeeper, node_id(home), telemetry.observe)
         self.api = NodeAPI(
-            service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store
-        )
+            service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store,
+            telemetry=telemetry,
+        )  # fmt: skip
         self.orchestrator.on_stopped = self.api.proxy.release
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
@@ -269,9 +273,7 @@ async def serve(settings: Settings) -> None:
 
 def main() -> None:
     settings = load_settings()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
     logging.getLogger("qemu.qmp").setLevel(logging.WARNING)
     with contextlib.suppress(KeyboardInterrupt):
         try:

@@ -135,3 +135,39 @@ async def test_unreachable_scheduler_or_redis_is_unavailable() -> None:
     finally:
         await client.close()
         await server.close()
+
+
+async def test_metrics_count_placements_binds_and_nodes(client: SchedulerClient, server: TestServer) -> None:
+    """`/metrics` (public, as a node's) has placements by kind and result with their latency,
+    refused binds, nodes by state and every request by route template."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    await client.register(node("a"))
+    await client.register(node("b"))
+    await client.drain("b")
+    await client.place(Placement(template="base", sandbox_id="m1"))
+    with pytest.raises(Unavailable):
+        await client.place(Placement(template="base", memory_mib=1 << 30))
+    await client.bind(Binding(sandbox_id="m2", node_id="a", state="paused"))
+    await client.tombstone("m2", "a")
+    with pytest.raises(SandboxKilled):
+        await client.bind(Binding(sandbox_id="m2", node_id="a", state="paused"))
+    async with httpx.AsyncClient() as http:  # no secret: the route is public
+        text = (await http.get(str(server.make_url("/metrics")))).text
+    seen = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return seen.get((name, frozenset(labels.items())), 0.0)
+
+    assert value("aenv_scheduler_placements_total", kind="create", result="placed") == 1
+    assert value("aenv_scheduler_placements_total", kind="create", result="no_room") == 1
+    assert value("aenv_scheduler_placement_duration_seconds_count", kind="create") == 2
+    assert value("aenv_scheduler_bind_conflicts_total") == 1
+    assert value("aenv_scheduler_nodes", state="up") == 1
+    assert value("aenv_scheduler_nodes", state="draining") == 1
+    assert value("aenv_http_requests_total", route="/placements", method="POST", status="503") == 1
+    assert value("aenv_http_requests_total", route="/bindings/{sandbox_id}", method="PUT", status="409") == 1

@@ -8,6 +8,7 @@ step, a cached rebuild, and sandboxes then start from the results by name and ta
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -147,6 +148,11 @@ def test_build_from_base_then_a_failing_step(node: NodeServer) -> None:
         Template.build(broken_start, "e2e-failing")
     assert "'exit 4' exited with code 4" in str(failure.value)
     delete_template(node, "e2e-on-base")
+    # every build is timed, by how it ended (aenv.telemetry)
+    metrics = httpx.get(f"{node.url}/metrics", timeout=30).text
+    built = r'_count\{operation="template_build",stage="build",outcome="%s"\} (\S+)'
+    assert float(re.search(built % "ok", metrics)[1]) >= 1
+    assert float(re.search(built % "error", metrics)[1]) >= 2
 
 
 def test_uploads_need_a_valid_signature(node: NodeServer) -> None:

@@ -30,10 +30,12 @@ from urllib.parse import unquote
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from .. import logs
 from ..agent.envd import ENVD_PORT
 from ..cluster.auth import CLUSTER_SECRET_HEADER
 from ..network.forward import open_guest_connection
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
+from ..telemetry import PROXIED
 
 log = logging.getLogger(__name__)
 
@@ -432,9 +434,15 @@ class SandboxProxy:
                 return _json_response(400, {"code": 400, "message": str(exc)})
             if route is None:
                 return await handler(request)
-            return await self.serve(request, route)
+            return await self._relayed(request, route)
 
         return sandbox_proxy
+
+    async def _relayed(self, request: web.Request, route: ProxyRoute) -> web.StreamResponse:
+        """`serve`, counted as the data plane's (`aenv.telemetry`) and logged as its sandbox's."""
+        request[PROXIED] = True
+        with logs.sandbox_context(route.sandbox_id):
+            return await self.serve(request, route)
 
     async def handle_proxy_path(self, request: web.Request) -> web.StreamResponse:
         """Route handler for `/proxy` and `/proxy/{tail}` (also works without the middleware)."""
@@ -444,7 +452,7 @@ class SandboxProxy:
             return _json_response(400, {"code": 400, "message": str(exc)})
         if route is None:
             return _json_response(400, {"code": 400, "message": "missing sandbox routing headers"})
-        return await self.serve(request, route)
+        return await self._relayed(request, route)
 
     def routes(self) -> list[web.RouteDef]:
         return [

@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from .. import __version__
+from .. import __version__, logs
 from ..agent.envd import ENVD_VERSION
 from ..cluster.auth import cluster_gate
 from ..cluster.wire import node_route
@@ -43,6 +43,7 @@ from ..orchestrator.errors import (
 from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, follows
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
+from ..telemetry import CREATED_HEADER, Telemetry
 from ..volumes.store import VolumeStore
 from . import openapi, schemas, templates, views, volumes
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
@@ -258,14 +259,22 @@ class NodeAPI:
     """Request handlers; the node service does the work, this maps it to the wire."""
 
     def __init__(
-        self, node: NodeService, *, domain: str, limits: dict[str, int], volumes: VolumeStore | None = None
+        self,
+        node: NodeService,
+        *,
+        domain: str,
+        limits: dict[str, int],
+        volumes: VolumeStore | None = None,
+        telemetry: Telemetry | None = None,
     ):
         self.node = node
         self.volumes = volumes  # the node's volumes; None: no volume routes
         self.domain = domain
         self.limits = limits  # schemas.limits(settings): what request bodies are checked against
         self.proxy = SandboxProxy(self, domain.split(":", 1)[0] or None)
-        self.registry = CollectorRegistry()
+        # The node's own (it observes template builds into it too), or one for this API alone.
+        self.telemetry = telemetry or Telemetry(CollectorRegistry())
+        self.registry = self.telemetry.registry
         self._sandboxes_gauge = Gauge(
             "aenv_sandboxes", "Sandboxes on this node by state", ["state"], registry=self.registry
         )
@@ -304,11 +313,12 @@ class NodeAPI:
         internal route gateways call the node through is mounted (`aenv.cluster.wire`): never
         without the secret, as it takes calls without the public API's validation. `internal`:
         node-to-node routes mounted outside the OpenAPI document (`aenv.storage.peers`)."""
+        measured = [self.telemetry.middleware(), logs.request_context, errors]
         if cluster_secret:
             access = cluster_gate(cluster_secret, PUBLIC_PATHS, error_response)
-            middlewares = [errors, access, self.proxy.middleware()]
+            middlewares = [*measured, access, self.proxy.middleware()]
         else:
-            middlewares = [errors, self.proxy.middleware(), auth_middleware(api_key)]
+            middlewares = [*measured, self.proxy.middleware(), auth_middleware(api_key)]
         app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
         app[LIMITS_KEY] = self.limits
         self.proxy.setup(app)
@@ -384,7 +394,7 @@ class NodeAPI:
         return request.match_info["sandboxID"]
 
     def _created(self, record: SandboxRecord, status: int = 201) -> web.Response:
-        headers = {"X-Agentenv-Sandbox-Id": record.sandbox_id}
+        headers = {CREATED_HEADER: record.sandbox_id}
         return web.json_response(views.sandbox(record, self.domain), status=status, headers=headers)
 
     # -- meta ------------------------------------------------------------------------------

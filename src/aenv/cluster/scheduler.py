@@ -7,6 +7,7 @@ errors the API's `{"code", "message"}` with its statuses (`aenv.api.server.STATU
 cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
 
     GET    /health                      200 {"status": "ok"}; 503 while Redis does not answer
+    GET    /metrics                     Prometheus text: requests, placements, binds, nodes by state
     POST   /nodes                       register: NodeInfo -> NodeInfo
     GET    /nodes                       [NodeInfo]
     GET    /nodes/{node_id}             NodeInfo
@@ -42,17 +43,29 @@ is no placement: it stays on its source's node, which the gateway locates.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import time
+from collections.abc import Iterator
 
 from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..api.server import LIMITS_KEY, Handler, error_response, errors, parse
 from ..config import Settings
-from ..orchestrator.errors import InvalidRequest, NotFound, Unavailable
+from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
 from ..orchestrator.service import catalog_name
+from ..telemetry import LATENCY_BUCKETS, Telemetry
 from .auth import CLUSTER_SECRET_HEADER, presents_secret
 from .model import (
     ID_PATTERN,
@@ -70,8 +83,63 @@ from .state import ClusterState, NodeRoom
 
 log = logging.getLogger(__name__)
 
-PUBLIC_PATHS = {"/health"}
+PUBLIC_PATHS = {"/health", "/metrics"}
 SCHEDULER_KEY = web.AppKey("scheduler", "ClusterScheduler")
+METRICS_KEY = web.AppKey("metrics", "SchedulerMetrics")
+
+
+class SchedulerMetrics:
+    """The scheduler's figures on `/metrics`, beside its requests' (`aenv.telemetry`): placements by
+    kind and result with their latency (the Redis script included), binds refused (a sandbox bound
+    to another node, or killed), and the registered nodes by state, read from Redis at each scrape
+    (so every scheduler of a cluster reports the same nodes)."""
+
+    def __init__(self) -> None:
+        self.telemetry = Telemetry(CollectorRegistry())
+        registry = self.telemetry.registry
+        self.placements = Counter(
+            "aenv_scheduler_placements",
+            "Placements answered, by kind (create, resume) and result (placed, no_room, conflict, invalid)",
+            ["kind", "result"],
+            registry=registry,
+        )
+        self.placement_seconds = Histogram(
+            "aenv_scheduler_placement_duration_seconds",
+            "Time to place a create or resume, by kind",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.bind_conflicts = Counter(
+            "aenv_scheduler_bind_conflicts",
+            "Binds refused: the sandbox is bound to another node, or was killed",
+            registry=registry,
+        )
+        self.nodes = Gauge("aenv_scheduler_nodes", "Registered nodes by state", ["state"], registry=registry)
+
+    @contextlib.contextmanager
+    def placing(self, kind: str) -> Iterator[None]:
+        """Counts and times one placement by how it ended."""
+        started, result = time.monotonic(), "placed"
+        try:
+            yield
+        except Unavailable:
+            result = "no_room"
+            raise
+        except Conflict:
+            result = "conflict"
+            raise
+        except SandboxError:
+            result = "invalid"
+            raise
+        finally:
+            self.placements.labels(kind, result).inc()
+            self.placement_seconds.labels(kind).observe(time.monotonic() - started)
+
+    def render(self, nodes: list[NodeInfo]) -> bytes:
+        for state in NodeState:
+            self.nodes.labels(state.value).set(sum(node.status == state for node in nodes))
+        return generate_latest(self.telemetry.registry)
 
 
 class ClusterScheduler:
@@ -208,7 +276,9 @@ async def drain(request: web.Request) -> web.Response:
 
 
 async def place(request: web.Request) -> web.Response:
-    return _json(await _scheduler(request).place(await parse(request, Placement)))
+    placement = await parse(request, Placement)
+    with request.app[METRICS_KEY].placing(placement.kind):
+        return _json(await _scheduler(request).place(placement))
 
 
 async def release(request: web.Request) -> web.Response:
@@ -233,8 +303,17 @@ async def bind(request: web.Request) -> web.Response:
     observed = request.query.get("observed", "false")
     if observed not in ("true", "false"):
         raise InvalidRequest("observed must be true or false")
-    await _scheduler(request).bind(binding, observed=observed == "true")
+    try:
+        await _scheduler(request).bind(binding, observed=observed == "true")
+    except Conflict:
+        request.app[METRICS_KEY].bind_conflicts.inc()
+        raise
     return web.Response(status=204)
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    body = request.app[METRICS_KEY].render(await _scheduler(request).nodes())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def unbind(request: web.Request) -> web.Response:
@@ -266,11 +345,15 @@ def secret_gate(secret: str) -> Handler:
 
 
 def scheduler_app(scheduler: ClusterScheduler, secret: str | None) -> web.Application:
-    middlewares = [errors, *([secret_gate(secret)] if secret else []), state_unreachable]
+    metrics = SchedulerMetrics()
+    gate = [secret_gate(secret)] if secret else []
+    middlewares = [metrics.telemetry.middleware(), errors, *gate, state_unreachable]
     app = web.Application(middlewares=middlewares, client_max_size=1 << 20)
     app[SCHEDULER_KEY] = scheduler
+    app[METRICS_KEY] = metrics
     app[LIMITS_KEY] = {}
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prometheus)
     app.router.add_post("/nodes", register)
     app.router.add_get("/nodes", list_nodes)
     app.router.add_get("/nodes/{node_id}", get_node)

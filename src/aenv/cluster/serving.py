@@ -19,6 +19,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
+from .. import logs
 from ..api.runner import APIRunner
 from ..config import ConfigError, Settings, load_settings
 
@@ -57,9 +58,7 @@ def run(serve: Callable[[Settings], Awaitable[None]]) -> None:
         settings = load_settings()
     except ConfigError as exc:
         raise SystemExit(f"aenv: {exc}") from None
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
     with contextlib.suppress(KeyboardInterrupt):
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -19,6 +19,7 @@ from ..snapshot.handover import PAUSE_MARK
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.pending import PENDING_MARK
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
+from ..telemetry import Observe
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
 from ..template.steps import BuildRequest, BuildStart
@@ -74,7 +75,13 @@ def _hidden(manifest: SnapshotManifest) -> bool:
 class LocalNode:
     """`NodeService` for the sandboxes and catalog of this node process."""
 
-    def __init__(self, orchestrator: Orchestrator, housekeeper: Housekeeper, node_id: str):
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        housekeeper: Housekeeper,
+        node_id: str,
+        observe: Observe | None = None,
+    ):
         self.orchestrator = orchestrator
         self.housekeeper = housekeeper
         self.node_id = node_id
@@ -82,7 +89,7 @@ class LocalNode:
         settings = orchestrator.settings
         self.builds = TemplateBuilds(
             settings.home_path / "templates", self._engine, max_concurrent=settings.template_builds,
-            warm=settings.warm_pool_size,
+            warm=settings.warm_pool_size, observe=observe,
         )  # fmt: skip
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from http.client import HTTPException
 from typing import TYPE_CHECKING, Any
 
-from .. import clock
+from .. import clock, logs
 from ..agent.envd import ENVD_VERSION
 from ..clock import rfc3339
 from ..config import Settings
@@ -940,23 +940,29 @@ class Orchestrator:
             record = sandbox.record
             if record.state != State.RUNNING or sandbox.lock.locked() or _parse(record.end_at) > now:
                 continue
-            started = time.monotonic()
-            try:
-                async with sandbox.lock:
-                    if record.state != State.RUNNING or _parse(record.end_at) > clock.now():
-                        continue
-                    if record.auto_pause:
-                        await self._pause_locked(sandbox, memory=record.auto_pause_memory)
-                    else:
-                        await self._kill_locked(sandbox)
-                log.info(
-                    "sandbox %s expired: %s in %.0f ms",
-                    record.sandbox_id,
-                    "paused" if record.auto_pause else "killed",
-                    1000 * (time.monotonic() - started),
-                )
-            except SandboxError as exc:
-                log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc.message)
+            with logs.sandbox_context(record.sandbox_id):
+                await self._expire(sandbox)
+
+    async def _expire(self, sandbox: Sandbox) -> None:
+        """Pause or kill one sandbox whose end time has passed, unless a call changed it since."""
+        record = sandbox.record
+        started = time.monotonic()
+        try:
+            async with sandbox.lock:
+                if record.state != State.RUNNING or _parse(record.end_at) > clock.now():
+                    return
+                if record.auto_pause:
+                    await self._pause_locked(sandbox, memory=record.auto_pause_memory)
+                else:
+                    await self._kill_locked(sandbox)
+            log.info(
+                "sandbox %s expired: %s in %.0f ms",
+                record.sandbox_id,
+                "paused" if record.auto_pause else "killed",
+                1000 * (time.monotonic() - started),
+            )
+        except SandboxError as exc:
+            log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc.message)
 
 
 def _start_failure(exc: Exception) -> SandboxError:

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from aenv.snapshot.engine import SnapshotEngine
 from aenv.snapshot.manifest import RuntimeContext, SnapshotManifest
 from aenv.snapshot.repository import RepositoryError, SnapshotNotFound
 from aenv.snapshot.templates import Stage, StageFailed, StepBuild
+from aenv.telemetry import Observe
 from aenv.template.disk import base_layer, base_layer_key
 from aenv.template.image import ImageError
 from aenv.template.reference import parse_reference
@@ -109,10 +111,19 @@ class TagInfo:
 class TemplateBuilds:
     """Build records, tags and the build queue of this node."""
 
-    def __init__(self, root: Path, engine: SnapshotEngine, *, max_concurrent: int = 2, warm: int = 0):
+    def __init__(
+        self,
+        root: Path,
+        engine: SnapshotEngine,
+        *,
+        max_concurrent: int = 2,
+        warm: int = 0,
+        observe: Observe | None = None,
+    ):
         self.root = root
         self.engine = engine
         self.warm = warm  # warm VMs kept per built template, as for the node's own (0: none)
+        self._observe = observe  # each build's time, queue included (`aenv.telemetry`)
         self.records_dir = root / "records"
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.uploads = UploadStore(root / "files")
@@ -211,6 +222,7 @@ class TemplateBuilds:
     # -- the build -------------------------------------------------------------------------
 
     async def _run(self, record: TemplateRecord, build: BuildRecord, start: BuildStart) -> None:
+        started = time.monotonic()
         try:
             async with self._slots:
                 build.status = "building"
@@ -238,6 +250,9 @@ class TemplateBuilds:
         finally:
             build.finished_at = rfc3339()
             self._save(record)
+            if self._observe is not None:
+                ok = build.status == "ready"
+                self._observe("template_build", "build", time.monotonic() - started, ok=ok)
 
     def _fail(self, build: BuildRecord, stage: str, message: str) -> None:
         build.logs.append(_entry("error", message, stage))
