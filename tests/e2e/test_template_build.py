@@ -52,8 +52,8 @@ NO_SHELL_GROUP = b"root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n"
 
 @pytest.fixture(scope="module")
 def matrix(image: str, registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The images template builds must work from: Debian; Debian's busybox-static alone (musl-free
-    but without `adduser`, `useradd` or `tar`); and a distroless-like image without any shell."""
+    """The images template builds must work from: Debian; Debian's busybox-static alone (no libc,
+    no `adduser` or `useradd`); and a distroless-like image without any shell."""
     workdir = tmp_path_factory.mktemp("matrix")
     busybox = [image_tar("busybox").read_bytes()]
     single_image(workdir / "busybox", busybox, {"Env": ["PATH=/bin:/sbin"]}, tag="1")
