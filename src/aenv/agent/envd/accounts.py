@@ -111,12 +111,12 @@ def find_group(name: str) -> int | None:
 
 def ensure_user(name: str) -> Account:
     """The account ``name``, created (with its group and home) if the image lacks it."""
-    if not NAME.match(name):
-        raise AccountError(f"invalid user name {name!r}: lowercase letters, digits, '_' and '-' expected")
     with _locked():
         existing = find_user(name)
-        if existing is not None:
+        if existing is not None:  # whatever its name's form, as the image made it
             return existing
+        if not NAME.match(name):
+            raise AccountError(f"invalid user name {name!r}: lowercase letters, digits, '_' and '-' expected")
         passwd = _table("passwd")
         if not passwd:  # an image without users: root first, as every tool expects
             _append("passwd", "root:x:0:0:root:/root:/bin/sh", 0o644)
