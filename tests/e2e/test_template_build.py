@@ -8,6 +8,7 @@ all) builds the same COPY and ENV steps.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -184,6 +185,33 @@ def test_images_without_user_tools_tar_or_shell_build_templates(
     if not shell:
         with pytest.raises(BuildException, match="RUN needs /bin/sh, which the image does not have"):
             Template.build(Template().from_image(matrix[kind]).run_cmd("echo never"), "e2e-matrix-run")
+
+
+def peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+
+
+def test_a_large_copy_streams_from_the_node_s_disk(node: NodeServer, tmp_path: Path) -> None:
+    """The node never holds a COPY's archive: its peak RSS over a 200 MiB COPY grows by far less
+    than the archive (before the upload was streamed, it grew by about five times its size)."""
+    big = os.urandom(200 << 20)
+    (tmp_path / "big.bin").write_bytes(big)
+    assert node.pid is not None
+    Path(f"/proc/{node.pid}/clear_refs").write_text("5")  # the peak restarts from the current RSS
+    before = peak_rss_kib(node.pid)
+    template = Template(file_context_path=str(tmp_path)).from_template("base").copy("big.bin", "/opt/big.bin")
+    Template.build(template, "e2e-large-copy")
+    growth_mib = (peak_rss_kib(node.pid) - before) >> 10
+    assert growth_mib < 64, f"the node's peak RSS grew by {growth_mib} MiB during a 200 MiB COPY"
+    sandbox = Sandbox.create("e2e-large-copy")
+    try:
+        assert run(sandbox, "stat -c '%s %U' /opt/big.bin") == f"{200 << 20} root"
+        tail = hashlib.sha256(big[-4096:]).hexdigest()
+        assert run(sandbox, "tail -c 4096 /opt/big.bin | sha256sum") == f"{tail}  -"
+    finally:
+        sandbox.kill()
+    delete_template(node, "e2e-large-copy")
 
 
 def warm_vms(node: NodeServer, snapshot_id: str) -> int:
