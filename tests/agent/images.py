@@ -5,13 +5,15 @@
   ``busybox`` image (``/bin/sh`` → busybox, root and nobody in ``/etc/passwd``, ``/tmp``).
 - ``musl``: the same plus Debian's ``musl``, so that the only libc in the image is musl's.
 
-Each is a qcow2 base layer made like every image's (``aenv.template.disk.tree_to_qcow2``) and
-kept in the content-addressed build cache, keyed by its recipe and the code that builds it.
+Each is a qcow2 base layer made like every image's (``aenv.template.disk.tree_to_qcow2``), or
+a layer tar for an image pushed to a test registry (``image_tar``), kept in the
+content-addressed build cache, keyed by its recipe and the code that builds it.
 """
 
 from __future__ import annotations
 
 import shutil
+import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from aenv.guest.cache import cached_build, file_digest, inputs_key
 from aenv.template.disk import tree_to_qcow2
 
 PRODUCT = "rootfs.qcow2"
+LAYER = "layer.tar"
 DISK_MIB = 1024
 
 PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/home:/bin/false\n"
@@ -52,22 +55,42 @@ def busybox_layout(tree: Path) -> None:
     (tree / "etc/group").write_text(GROUP)
 
 
-def image_disk(name: str) -> Path:
-    """The cached qcow2 of the test image ``name`` (built first if missing)."""
-    recipe = RECIPES[name]
-    key = inputs_key(
+def _key(name: str) -> str:
+    return inputs_key(
         name=name,
-        recipe=[f"{k}={v}" for k, v in asdict(recipe).items()],
+        recipe=[f"{k}={v}" for k, v in asdict(RECIPES[name]).items()],
         code=[file_digest(Path(m.__file__)) for m in (rootfs, aenv.template.disk)]
         + [file_digest(Path(__file__))],
     )
 
-    def build(out: Path) -> None:
-        tree = out / "tree"
-        rootfs.debian_tree(recipe.suite, tree, packages=recipe.packages, variant=recipe.variant)
-        if recipe.busybox_layout:
-            busybox_layout(tree)
-        tree_to_qcow2(tree, out / PRODUCT, size_mib=DISK_MIB, inodes=65536)
-        shutil.rmtree(tree)
 
-    return cached_build("agent-test-images", key, build, PRODUCT) / PRODUCT
+def _tree(name: str, tree: Path) -> None:
+    recipe = RECIPES[name]
+    rootfs.debian_tree(recipe.suite, tree, packages=recipe.packages, variant=recipe.variant)
+    if recipe.busybox_layout:
+        busybox_layout(tree)
+
+
+def image_disk(name: str) -> Path:
+    """The cached qcow2 of the test image ``name`` (built first if missing)."""
+
+    def build(out: Path) -> None:
+        _tree(name, out / "tree")
+        tree_to_qcow2(out / "tree", out / PRODUCT, size_mib=DISK_MIB, inodes=65536)
+        shutil.rmtree(out / "tree")
+
+    return cached_build("agent-test-images", _key(name), build, PRODUCT) / PRODUCT
+
+
+def image_tar(name: str) -> Path:
+    """The cached tree of the test image ``name`` as one uncompressed layer tar (built first if
+    missing), owners and modes as in the tree."""
+
+    def build(out: Path) -> None:
+        _tree(name, out / "tree")
+        with tarfile.open(out / LAYER, "w", format=tarfile.PAX_FORMAT) as layer:
+            for entry in sorted((out / "tree").iterdir()):
+                layer.add(entry, arcname=entry.name)
+        shutil.rmtree(out / "tree")
+
+    return cached_build("agent-test-layers", _key(name), build, LAYER) / LAYER

@@ -1,12 +1,14 @@
 """Template builds through the official SDK (`Template.build`), on real build VMs.
 
-A Debian image (with python3, which envd needs in images for now) is served by a local
-docker-registry; templates are built from it and from `base` with every step type, a failing
-step, a cached rebuild, and sandboxes then start from the results by name and tag.
+A Debian image (with python3) is served by a local docker-registry; templates are built from it
+and from `base` with every step type, a failing step, a cached rebuild, and sandboxes then start
+from the results by name and tag. A matrix of images (Debian, busybox-static alone, no shell at
+all) builds the same COPY and ENV steps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -20,20 +22,55 @@ from e2b.exceptions import BuildException
 from prometheus_client.parser import text_string_to_metric_families
 
 from aenv.snapshot.warm import WarmRecord
+from tests.agent.images import image_tar
 from tests.e2e.conftest import NodeServer, wait_until
 from tests.e2e.test_js_sdk import installed_sdk, run_script
-from tests.template.conftest import run_registry
+from tests.template.conftest import Registry, run_registry
 from tests.template.debian import debian_layout
+from tests.template.oci import directory, file, layer, single_image
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``<registry>/debian-py:12`` in a local registry started for this module."""
-    workdir = tmp_path_factory.mktemp("template-registry")
-    layout = debian_layout(workdir / "layout")
-    with run_registry(workdir / "registry") as registry:
-        registry.push(layout, "12", "debian-py:12")
-        yield f"{registry.host}/debian-py:12"
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """A local registry started for this module."""
+    with run_registry(tmp_path_factory.mktemp("template-registry")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def image(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``<registry>/debian-py:12``: Debian with python3."""
+    registry.push(debian_layout(tmp_path_factory.mktemp("debian") / "layout"), "12", "debian-py:12")
+    return f"{registry.host}/debian-py:12"
+
+
+# Distroless' accounts: no shell anywhere, no `user`.
+NO_SHELL_PASSWD = (
+    b"root:x:0:0:root:/root:/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\n"
+    b"nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n"
+)
+NO_SHELL_GROUP = b"root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n"
+
+
+@pytest.fixture(scope="module")
+def matrix(image: str, registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The images template builds must work from: Debian; Debian's busybox-static alone (no libc,
+    no `adduser` or `useradd`); and a distroless-like image without any shell."""
+    workdir = tmp_path_factory.mktemp("matrix")
+    busybox = [image_tar("busybox").read_bytes()]
+    single_image(workdir / "busybox", busybox, {"Env": ["PATH=/bin:/sbin"]}, tag="1")
+    registry.push(workdir / "busybox", "1", "busybox-static:1")
+    no_shell = layer(
+        directory("etc"), file("etc/passwd", NO_SHELL_PASSWD), file("etc/group", NO_SHELL_GROUP),
+        file("etc/os-release", b"ID=aenv-no-shell\n"), directory("home"), directory("tmp", 0o1777),
+    )  # fmt: skip
+    single_image(workdir / "no-shell", [no_shell], {"Env": ["PATH=/bin"]}, tag="1")
+    registry.push(workdir / "no-shell", "1", "no-shell:1")
+    return {
+        "debian": image,
+        "busybox": f"{registry.host}/busybox-static:1",
+        "no-shell": f"{registry.host}/no-shell:1",
+    }
 
 
 def build_context(root: Path) -> Path:
@@ -106,6 +143,76 @@ def test_build_from_a_registry_image_with_every_step_and_rebuild_from_cache(
     assert [t.tag for t in Template.get_tags("e2e-image")] == ["v2"]
     delete_template(node, "e2e-image")
     assert not Template.exists("e2e-image")
+
+
+@pytest.mark.parametrize("kind", ["debian", "busybox", "no-shell"])
+def test_images_without_user_tools_tar_or_shell_build_templates(
+    node: NodeServer, matrix: dict[str, str], kind: str, tmp_path: Path
+) -> None:
+    """The same COPY and ENV steps in each image, a USER and a RUN where there is a shell; envd
+    creates `user` (and `builder`) itself and unpacks COPY without the image's tar."""
+    shell = kind != "no-shell"
+    template = (
+        Template(file_context_path=str(build_context(tmp_path)))
+        .from_image(matrix[kind])
+        .copy("app", "/opt/app", user="user", mode=0o750)
+        .copy("notes.txt", "/srv/")
+        .set_envs({"PLAIN": "as written"})
+    )
+    if shell:
+        template = template.set_user("builder").run_cmd("whoami > /tmp/who; echo $PLAIN >> /tmp/who")
+    name = f"e2e-matrix-{kind}"
+    Template.build(template, name)
+    sandbox = Sandbox.create(name)
+    try:
+        for path in ("/opt/app/main.py", "/opt/app/lib/util.py"):
+            copied = sandbox.files.get_info(path, user="root")
+            assert (copied.owner, copied.group, copied.mode & 0o7777) == ("user", "user", 0o750), path
+        assert sandbox.files.read("/opt/app/lib/util.py", user="user") == "VALUE = 42\n"
+        assert sandbox.files.read("/srv/notes.txt", user="root") == "a note\n"
+        home = sandbox.files.get_info("/home/user", user="root")
+        assert (home.owner, home.group, home.mode & 0o7777) == ("user", "user", 0o755)
+        passwd = sandbox.files.read("/etc/passwd", user="root")
+        assert passwd.count("\nuser:x:") == 1, passwd
+        if shell:
+            assert (
+                run(sandbox, "cat /tmp/who; whoami; echo $PLAIN")
+                == "builder\nas written\nbuilder\nas written"
+            )
+            assert run(sandbox, "id -un; ls -ld /home/user | cut -c1-10", user="user") == "user\ndrwxr-xr-x"
+    finally:
+        sandbox.kill()
+    delete_template(node, name)
+    if not shell:
+        with pytest.raises(BuildException, match="RUN needs /bin/sh, which the image does not have"):
+            Template.build(Template().from_image(matrix[kind]).run_cmd("echo never"), "e2e-matrix-run")
+
+
+def peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+
+
+def test_a_large_copy_streams_from_the_node_s_disk(node: NodeServer, tmp_path: Path) -> None:
+    """The node never holds a COPY's archive: its peak RSS over a 200 MiB COPY grows by far less
+    than the archive (before the upload was streamed, it grew by about five times its size)."""
+    big = os.urandom(200 << 20)
+    (tmp_path / "big.bin").write_bytes(big)
+    assert node.pid is not None
+    Path(f"/proc/{node.pid}/clear_refs").write_text("5")  # the peak restarts from the current RSS
+    before = peak_rss_kib(node.pid)
+    template = Template(file_context_path=str(tmp_path)).from_template("base").copy("big.bin", "/opt/big.bin")
+    Template.build(template, "e2e-large-copy")
+    growth_mib = (peak_rss_kib(node.pid) - before) >> 10
+    assert growth_mib < 64, f"the node's peak RSS grew by {growth_mib} MiB during a 200 MiB COPY"
+    sandbox = Sandbox.create("e2e-large-copy")
+    try:
+        assert run(sandbox, "stat -c '%s %U' /opt/big.bin") == f"{200 << 20} root"
+        tail = hashlib.sha256(big[-4096:]).hexdigest()
+        assert run(sandbox, "tail -c 4096 /opt/big.bin | sha256sum") == f"{tail}  -"
+    finally:
+        sandbox.kill()
+    delete_template(node, "e2e-large-copy")
 
 
 def warm_vms(node: NodeServer, snapshot_id: str) -> int:

@@ -11,19 +11,16 @@ from pathlib import Path
 import pytest
 from e2b.template.utils import calculate_files_hash, tar_file_stream
 
+from aenv.agent.envd import copying
 from aenv.template.steps import (
     BuildStart,
     BuildState,
-    Owner,
     Step,
     StepError,
-    check_members,
-    copy_archive,
-    files_hash,
     first_forced,
-    read_archive,
     split_name,
     step_key,
+    verified_roots,
 )
 from aenv.template.uploads import UploadRefused, UploadStore
 
@@ -40,53 +37,62 @@ def context(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def sdk_upload(context: Path, src: str, dest: str) -> tuple[bytes, str]:
-    """What the SDK uploads for ``COPY src dest`` and the filesHash it sends."""
+def sdk_upload(context: Path, src: str, dest: str) -> tuple[Path, Step]:
+    """The archive the SDK uploads for ``COPY src dest`` (as the node stores it) and the step."""
     stream = tar_file_stream(src, str(context), [], False, True)
-    data = stream.read()
+    upload = context.parent / f"upload-{abs(hash((src, dest)))}.tar.gz"
+    upload.write_bytes(stream.read())
     stream.close()
-    return data, calculate_files_hash(src, dest, str(context), [], False, None)
+    files_hash = calculate_files_hash(src, dest, str(context), [], False, None)
+    return upload, Step(type="COPY", args=[src, dest], filesHash=files_hash)
 
 
 @pytest.mark.parametrize("src", ["app", "run.sh", "app/sub/data.txt", "*.sh", "."])
 def test_files_hash_matches_the_sdk(context: Path, src: str) -> None:
-    data, expected = sdk_upload(context, src, "/dest/")
-    archive = read_archive(data)
-    check_members(archive)
-    assert files_hash(archive, src, "/dest/") == expected
-    assert files_hash(archive, src, "/other/") != expected
+    upload, step = sdk_upload(context, src, "/dest/")
+    assert verified_roots(upload, step)
+    with pytest.raises(StepError, match="do not match their hash"):
+        verified_roots(upload, step.model_copy(update={"args": [src, "/other/"]}))
 
 
-def members(plain: bytes) -> dict[str, tarfile.TarInfo]:
-    with tarfile.open(fileobj=io.BytesIO(plain)) as archive:
-        return {m.name: m for m in archive.getmembers()}
+def unpack(upload: Path, step: Step, dest: str, **owner: int) -> None:
+    """What envd writes for the step, the destination being under a test directory."""
+    plan = copying.CopyPlan(verified_roots(upload, step), dest, **owner)
+    with upload.open("rb") as source:
+        copying.unpack(source, plan)
 
 
-def test_copy_of_a_directory_puts_its_contents_at_dest(context: Path) -> None:
-    archive = read_archive(sdk_upload(context, "app", "/srv/app")[0])
-    out = members(copy_archive(archive, "/srv/app", dest_is_dir=False, owner=Owner(1000, 1000), mode=0o640))
-    assert set(out) == {
-        "srv/app/main.py",
-        "srv/app/sub",
-        "srv/app/sub/data.txt",
-        "srv/app/link",
-        "srv/app/hard.py",
-    }
-    assert out["srv/app/hard.py"].uid == 1000 and out["srv/app/hard.py"].mode == 0o640
-    assert out["srv/app/link"].issym() and out["srv/app/link"].linkname == "main.py"
+def test_copy_of_a_directory_puts_its_contents_at_dest(
+    context: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("guest")
+    upload, step = sdk_upload(context, "app", "/srv/app")
+    unpack(upload, step, f"{root}/srv/app", uid=1000, gid=1000, mode=0o640)
+    app = root / "srv/app"
+    assert {p.name for p in app.iterdir()} == {"main.py", "sub", "link", "hard.py"}
+    hard = (app / "hard.py").stat()
+    assert (hard.st_uid, hard.st_gid, hard.st_mode & 0o7777) == (1000, 1000, 0o640)
+    assert os.readlink(app / "link") == "main.py" and os.lstat(app / "link").st_uid == 1000
     # the SDK packs the second name of a hard-linked file as a link to the first (in sorted order)
-    assert out["srv/app/main.py"].islnk() and out["srv/app/main.py"].linkname == "srv/app/hard.py"
+    assert (app / "main.py").stat().st_ino == hard.st_ino
+    assert (app / "sub/data.txt").read_text() == "data\n"
 
 
 @pytest.mark.parametrize(
     ("dest", "is_dir", "expected"),
-    [("/opt/run", False, "opt/run"), ("/opt/", False, "opt/run.sh"), ("/opt", True, "opt/run.sh")],
+    [("opt/run", False, "opt/run"), ("opt/", False, "opt/run.sh"), ("opt", True, "opt/run.sh")],
 )
-def test_copy_of_a_file_follows_docker(context: Path, dest: str, is_dir: bool, expected: str) -> None:
-    archive = read_archive(sdk_upload(context, "run.sh", dest)[0])
-    out = members(copy_archive(archive, dest, dest_is_dir=is_dir, owner=Owner(), mode=None))
-    assert list(out) == [expected]
-    assert out[expected].mode == 0o755 and out[expected].uid == 0
+def test_copy_of_a_file_follows_docker(
+    context: Path, tmp_path_factory: pytest.TempPathFactory, dest: str, is_dir: bool, expected: str
+) -> None:
+    root = tmp_path_factory.mktemp("guest")
+    if is_dir:
+        (root / "opt").mkdir()
+    upload, step = sdk_upload(context, "run.sh", f"/{dest}")
+    unpack(upload, step, f"{root}/{dest}")
+    written = (root / expected).stat()
+    assert written.st_mode & 0o7777 == 0o755 and written.st_uid == 0
+    assert (root / expected).read_text() == "#!/bin/sh\necho run\n"
 
 
 def hostile(*entries: tarfile.TarInfo) -> bytes:
@@ -103,28 +109,34 @@ def entry(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfi
     return info
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        entry("../escape"),
-        entry("/etc/passwd"),
-        entry("a/../../b"),
-        entry("dev", tarfile.CHRTYPE),
-        entry("fifo", tarfile.FIFOTYPE),
-        entry("link", tarfile.LNKTYPE, "/etc/shadow"),
-        entry("link", tarfile.LNKTYPE, "../../etc/shadow"),
-    ],
-)
-def test_hostile_members_are_refused(bad: tarfile.TarInfo) -> None:
-    with pytest.raises(StepError):
-        check_members(read_archive(hostile(bad)))
+HOSTILE = [
+    entry("../escape"),
+    entry("/etc/passwd"),
+    entry("a/../../b"),
+    entry("dev", tarfile.CHRTYPE),
+    entry("fifo", tarfile.FIFOTYPE),
+    entry("link", tarfile.LNKTYPE, "/etc/shadow"),
+    entry("link", tarfile.LNKTYPE, "../../etc/shadow"),
+]
 
 
-def test_broken_and_oversized_archives_are_refused() -> None:
-    with pytest.raises(StepError):
-        read_archive(b"\x1f\x8bnot gzip at all")
-    with pytest.raises(StepError):
-        read_archive(hostile(entry("file"))[:700])
+@pytest.mark.parametrize("bad", HOSTILE)
+def test_hostile_members_are_refused_by_the_node_and_by_envd(bad: tarfile.TarInfo, tmp_path: Path) -> None:
+    upload = tmp_path / "upload.tar"
+    upload.write_bytes(hostile(bad))
+    with pytest.raises(StepError, match=r"unsafe|not a file|escaping"):
+        verified_roots(upload, Step(type="COPY", args=["x", "/y"], filesHash="0" * 64))
+    plan = copying.CopyPlan([("x", True)], str(tmp_path / "dest"))
+    with pytest.raises(copying.CopyError), upload.open("rb") as source:
+        copying.unpack(source, plan)
+
+
+def test_broken_archives_are_refused(tmp_path: Path) -> None:
+    step = Step(type="COPY", args=["x", "/y"], filesHash="0" * 64)
+    for data in (b"\x1f\x8bnot gzip at all", hostile(entry("file"))[:700]):
+        (tmp_path / "upload").write_bytes(data)
+        with pytest.raises(StepError, match="not a valid tar archive"):
+            verified_roots(tmp_path / "upload", step)
 
 
 def test_step_keys_and_forcing() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
 from ..storage.layers import new_layer_id
-from ..template.runner import LOGIN_SHELL, LineLog, Log, StepRunner
+from ..template.runner import LOGIN_SHELL, LineLog, Log, StepRunner, sync
 from ..template.stepcache import CachedStep, StepCache
 from ..template.steps import BuildState, Step, step_key
 from ..vmm import migration
@@ -184,7 +184,7 @@ class TemplateBuilder:
                 say(stage.name, describe(stage, plan))
                 try:
                     state = await stage.run(runner(guest), state)
-                    await guest.envd.execute(["/bin/sh", "-c", "sync"], timeout=300)
+                    await sync(guest.envd)
                 except Exception as exc:
                     raise StageFailed(stage.name, str(exc)) from exc
                 top = new_layer_id()
@@ -244,7 +244,7 @@ class TemplateBuilder:
         given the moment it needs to finish with them: otherwise every clone would do that work
         after its restore (under TCG, ~0.2 s of CPU per clone before it answers anything).
         """
-        await guest.envd.execute(["/bin/sh", "-c", "sync"], timeout=300)
+        await sync(guest.envd)
         guest.envd.close()  # clones should not inherit an open connection to this host
         waited = await guest.vm.settle()
         log.debug("template guest quiet after %.1f s", waited)

@@ -3,15 +3,14 @@
 The SDK sends a build as ``fromImage``/``fromTemplate`` plus ``steps`` (``COPY``, ``RUN``,
 ``ENV``, ``WORKDIR``, ``USER`` with string ``args``). This module validates that document,
 computes each step's cache key (the layer below, the step, its files' hash: a forced step forces
-every later one, as in E2B), and turns an uploaded ``COPY`` archive into the plain tar the build
-VM extracts at ``/``: its content checked against the SDK's ``filesHash``, hostile members
-refused, paths mapped with Docker's ``COPY`` rules and owner and mode applied.
+every later one, as in E2B), and checks an uploaded ``COPY`` archive against the SDK's
+``filesHash`` (hostile members refused) before the build VM's envd unpacks it
+(``aenv.agent.envd.copying``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import posixpath
 import re
@@ -20,10 +19,11 @@ import tarfile
 import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import IO, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from aenv.agent.envd import copying
 from aenv.template.image import ImageError
 from aenv.wiretypes import INTEGRAL
 
@@ -183,143 +183,80 @@ def expand_command(value: str) -> str:
 
 # -- COPY -----------------------------------------------------------------------------------
 
-MAX_MEMBERS = 200_000
-MAX_UNPACKED = 1 << 30
+# Bytes an upload may unpack to: with the archive streamed, the bound is on the work a gzip
+# bomb makes (hashing here, writing in the build VM), no longer on the node's memory.
+MAX_UNPACKED = 8 << 30
+HASH_CHUNK = 1 << 20
 
 
-def read_archive(data: bytes) -> tarfile.TarFile:
-    """Open an uploaded tar (gzip or plain); a broken or oversized one is a ``StepError``."""
+def verified_roots(upload: Path, step: Step) -> list[tuple[str, bool]]:
+    """Check a COPY's upload against its ``filesHash`` in one pass over the file, refusing
+    hostile members (``copying.check``); the members its source named (``copying.roots``).
+
+    The SDK's ``calculate_files_hash``, recomputed: the step, then each member's name and, for a
+    file, its mode, size and content (a hard link's are its target's), a link its target.
+    Nothing is held but the members' names. Measured with a 200 MiB COPY from `base` (TCG):
+    the node's peak RSS went from 101 MiB before the build to 109 MiB (1,119 MiB when the
+    archive was inflated and rewritten in memory).
+    """
+    digest = hashlib.sha256(f"COPY {step.args[0]} {step.args[1]}".encode())
+    entries: list[tuple[str, bool]] = []
+    unpacked = 0
     try:
-        raw = data
-        if data[:2] == b"\x1f\x8b":
-            inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            raw = inflate.decompress(data, MAX_UNPACKED)
-            if inflate.unconsumed_tail:
-                raise StepError(f"the uploaded files unpack to more than {MAX_UNPACKED >> 20} MiB")
-        archive = tarfile.open(fileobj=io.BytesIO(raw), mode="r:")  # noqa: SIM115 (in memory)
-        archive.getmembers()
+        with tarfile.open(upload, mode="r|*", bufsize=HASH_CHUNK) as archive, _Targets(upload) as targets:
+            for member in archive:
+                if len(entries) >= copying.MAX_MEMBERS:
+                    raise StepError(f"the uploaded archive has more than {copying.MAX_MEMBERS} members")
+                copying.check(member)
+                entries.append((member.name, member.isdir()))
+                digest.update(member.name.encode())
+                if member.issym():
+                    target = member.linkname.encode()
+                    digest.update(str(stat.S_IFLNK | 0o777).encode() + str(len(target)).encode() + target)
+                elif member.isdir():
+                    digest.update(str(stat.S_IFDIR | member.mode).encode())
+                else:
+                    size, content = targets.content(member.linkname) if member.islnk() else (
+                        member.size, archive.extractfile(member)
+                    )  # fmt: skip
+                    unpacked += size
+                    if unpacked > MAX_UNPACKED:
+                        raise StepError(f"the uploaded files unpack to more than {MAX_UNPACKED >> 20} MiB")
+                    digest.update(str(stat.S_IFREG | member.mode).encode() + str(size).encode())
+                    while content is not None and (chunk := content.read(HASH_CHUNK)):
+                        digest.update(chunk)
+    except copying.CopyError as exc:
+        raise StepError(str(exc)) from None
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise StepError(f"the uploaded files are not a valid tar archive: {exc}") from None
-    return archive
+    if digest.hexdigest() != step.files_hash:
+        raise StepError(f"the files uploaded for COPY {step.args[0]} do not match their hash")
+    return copying.roots(entries)
 
 
-def check_members(archive: tarfile.TarFile) -> None:
-    """Refuse what a build context cannot hold: escaping names, devices, FIFOs, too many members."""
-    members = archive.getmembers()
-    if len(members) > MAX_MEMBERS:
-        raise StepError(f"the uploaded archive has more than {MAX_MEMBERS} members")
-    for member in members:
-        name = member.name
-        parts = name.split("/")
-        if name.startswith("/") or ".." in parts or "\0" in name or not name:
-            raise StepError(f"the uploaded archive holds an unsafe path {name!r}")
-        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
-            raise StepError(f"the uploaded archive holds {name!r}, which is not a file, directory or link")
-        if member.islnk() and (member.linkname.startswith("/") or ".." in member.linkname.split("/")):
-            raise StepError(f"the uploaded archive holds a hard link escaping it: {name!r}")
+class _Targets:
+    """Hard links' targets, read again from the upload (a pass over the archive per link: the
+    SDK only writes hard links for files linked in the build context, which is rare)."""
 
+    def __init__(self, upload: Path):
+        self.upload = upload
+        self.archive: tarfile.TarFile | None = None
 
-def files_hash(archive: tarfile.TarFile, src: str, dest: str) -> str:
-    """The SDK's ``calculate_files_hash`` recomputed from the archive it uploaded for ``src``."""
-    digest = hashlib.sha256(f"COPY {src} {dest}".encode())
-    for member in archive.getmembers():
-        digest.update(member.name.encode())
-        if member.issym():
-            target = member.linkname.encode()
-            digest.update(str(stat.S_IFLNK | 0o777).encode() + str(len(target)).encode() + target)
-            continue
-        if member.isdir():
-            digest.update(str(stat.S_IFDIR | member.mode).encode())
-            continue
-        data = archive.extractfile(member)
-        content = data.read() if data is not None else b""
-        digest.update(str(stat.S_IFREG | member.mode).encode() + str(len(content)).encode() + content)
-    return digest.hexdigest()
+    def __enter__(self) -> _Targets:
+        return self
 
+    def __exit__(self, *exc: object) -> None:
+        if self.archive is not None:
+            self.archive.close()
 
-@dataclass(frozen=True)
-class Owner:
-    uid: int = 0
-    gid: int = 0
-
-
-def copy_roots(archive: tarfile.TarFile) -> list[tarfile.TarInfo]:
-    """The members the COPY source named: those not inside another member directory.
-
-    The SDK names members relative to the build context, so copying the context itself (``.``)
-    holds ``.`` and then its entries as ``name``, not ``./name``.
-    """
-    members = archive.getmembers()
-    dot = [m for m in members if m.name == "."]
-    if dot:
-        return dot
-    dirs = {m.name for m in members if m.isdir()}
-
-    def inside(name: str) -> bool:
-        parent = posixpath.dirname(name)
-        while parent:
-            if parent in dirs:
-                return True
-            parent = posixpath.dirname(parent)
-        return False
-
-    return [m for m in members if not inside(m.name)]
-
-
-def copy_archive(
-    archive: tarfile.TarFile, dest: str, *, dest_is_dir: bool, owner: Owner, mode: int | None
-) -> bytes:
-    """The plain tar of a COPY, members named by their place under ``/`` (Docker's rules).
-
-    A directory source copies its contents into ``dest``; a file goes to ``dest`` itself unless
-    ``dest`` is a directory (it ends with ``/``, exists, or several sources are copied).
-    """
-    roots = copy_roots(archive)
-    into_dir = dest_is_dir or dest.endswith("/") or len(roots) > 1
-    target = posixpath.normpath(dest)
-    mapping: dict[str, str] = {}
-    for root in roots:
-        if root.isdir():
-            base = target
-        else:
-            base = posixpath.join(target, posixpath.basename(root.name)) if into_dir else target
-        mapping[root.name] = base
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as plain:
-        for member in archive.getmembers():
-            placed = _place(member.name, mapping)
-            if placed is None or (member.isdir() and member.name in mapping):
-                continue
-            info = _rewritten(member, placed, mapping, owner, mode)
-            plain.addfile(info, archive.extractfile(member) if member.isreg() else None)
-    return out.getvalue()
-
-
-def _place(name: str, mapping: dict[str, str]) -> str | None:
-    for root, base in mapping.items():
-        if name == root:
-            return base
-        prefix = "" if root == "." else root + "/"
-        if name.startswith(prefix):
-            return posixpath.join(base, name[len(prefix) :])
-    return None
-
-
-def _rewritten(
-    member: tarfile.TarInfo, placed: str, mapping: dict[str, str], owner: Owner, mode: int | None
-) -> tarfile.TarInfo:
-    info = tarfile.TarInfo(placed.lstrip("/"))
-    info.type, info.size, info.mtime = member.type, member.size, member.mtime
-    info.mode = mode if mode is not None and not member.issym() else member.mode
-    info.uid, info.gid, info.uname, info.gname = owner.uid, owner.gid, "", ""
-    if member.issym():
-        info.linkname = member.linkname
-    elif member.islnk():
-        linked = _place(member.linkname, mapping)
-        if linked is None:
-            raise StepError(f"hard link {member.name!r} points outside the copied files")
-        info.linkname, info.size = linked.lstrip("/"), 0
-    return info
+    def content(self, name: str) -> tuple[int, IO[bytes] | None]:
+        if self.archive is None:
+            self.archive = tarfile.open(self.upload)  # noqa: SIM115 (closed by __exit__)
+        try:
+            member = self.archive.getmember(name)
+        except KeyError:
+            raise StepError(f"the uploaded archive holds a hard link to a missing {name!r}") from None
+        return member.size, self.archive.extractfile(member)
 
 
 def parse_mode(raw: str) -> int | None:
@@ -329,12 +266,3 @@ def parse_mode(raw: str) -> int | None:
     if not re.fullmatch(r"[0-7]{1,4}", raw):
         raise StepError(f"invalid COPY mode {raw!r}: octal digits expected")
     return int(raw, 8)
-
-
-def verified_archive(upload: Path, step: Step) -> tarfile.TarFile:
-    """The upload of a COPY step, opened and checked against its ``filesHash``."""
-    archive = read_archive(upload.read_bytes())
-    check_members(archive)
-    if files_hash(archive, step.args[0], step.args[1]) != step.files_hash:
-        raise StepError(f"the files uploaded for COPY {step.args[0]} do not match their hash")
-    return archive

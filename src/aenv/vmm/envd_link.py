@@ -13,6 +13,7 @@ import json
 import posixpath
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -26,6 +27,7 @@ from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 
 INIT_RETRY_INTERVAL = 0.05
 READ_SIZE = 64 * 1024
+STREAM_CHUNK = 1 << 20
 
 
 def utc_timestamp() -> str:
@@ -76,6 +78,20 @@ class _Connection:
         self.writer.writelines(
             [data for event in events for data in self.http.send_with_data_passthrough(event) or []]
         )
+        async with asyncio.timeout(self.timeout):
+            await self.writer.drain()
+
+    async def stream(self, path: str, headers: dict[str, str], head: bytes, source: Path) -> None:
+        """POST ``head`` then the file's bytes as they are read from disk, never all at once."""
+        fields = [("Host", GUEST_ADDRESS), ("Content-Length", str(len(head) + source.stat().st_size))]
+        request = h11.Request(method="POST", target=path, headers=[*fields, *headers.items()])
+        self.writer.writelines([self.http.send(request) or b"", self.http.send(h11.Data(data=head)) or b""])
+        with source.open("rb") as file:
+            while chunk := await asyncio.to_thread(file.read, STREAM_CHUNK):
+                self.writer.write(self.http.send(h11.Data(data=chunk)) or b"")
+                async with asyncio.timeout(self.timeout):
+                    await self.writer.drain()
+        self.writer.write(self.http.send(h11.EndOfMessage()) or b"")
         async with asyncio.timeout(self.timeout):
             await self.writer.drain()
 
@@ -300,6 +316,25 @@ class EnvdLink:
         status, answer = await self._request("POST", target, body=data, headers=headers, timeout=timeout)
         if status >= 300:
             raise RuntimeError(f"envd /files answered {status}: {answer[:200]!r}")
+
+    async def post_json(
+        self, path: str, payload: dict[str, Any], *, timeout: float = 60.0
+    ) -> tuple[int, bytes]:
+        """POST a JSON body (the template runner's calls to envd's build routes)."""
+        headers = self._headers({"Content-Type": "application/json"})
+        body = json.dumps(payload).encode()
+        return await self._request("POST", path, body=body, headers=headers, timeout=timeout)
+
+    async def post_file(self, path: str, head: bytes, source: Path, *, timeout: float) -> tuple[int, bytes]:
+        """POST ``head`` and then ``source``, read from disk as it is sent, on a connection of its
+        own: a template's COPY upload (up to 512 MiB) is never held in the node's memory."""
+        conn = await _Connection.open(self.network, timeout)
+        try:
+            await conn.stream(path, self._headers({"Content-Type": "application/octet-stream"}), head, source)
+            response = await conn.response()
+            return response.status_code, await conn.body()
+        finally:
+            conn.close()
 
     async def _start(
         self,

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from . import build_api
 from .connect import MAX_MESSAGE_BYTES
 from .fastinit import InitFastPath
 from .files_api import FilesAPI
@@ -83,6 +84,7 @@ def build_app(state: State, history: MetricsHistory) -> web.Application:
     app.add_routes(FilesAPI(state).routes())
     app.add_routes(processes.routes())
     app.add_routes(filesystem.routes())
+    app.add_routes(build_api.routes())
     app.router.add_route("OPTIONS", "/{tail:.*}", _no_content)
     return app
 
