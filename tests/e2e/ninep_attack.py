@@ -63,13 +63,17 @@ class Client:
         self.call(TVERSION, struct.pack("<I", 65536) + string("9P2000.L"))
 
     def attach(self, fid: int, export: str, uid: int) -> None:
-        self.call(TATTACH, struct.pack("<II", fid, NOFID) + string("root") + string(export) + struct.pack("<I", uid))
+        self.call(
+            TATTACH, struct.pack("<II", fid, NOFID) + string("root") + string(export) + struct.pack("<I", uid)
+        )
 
     def walk(self, fid: int, newfid: int, *names: str) -> None:
         self.call(TWALK, struct.pack("<IIH", fid, newfid, len(names)) + b"".join(string(n) for n in names))
 
     def mknod(self, dfid: int, name: str, mode: int, major: int, minor: int) -> None:
-        self.call(TMKNOD, struct.pack("<I", dfid) + string(name) + struct.pack("<IIII", mode, major, minor, 0))
+        self.call(
+            TMKNOD, struct.pack("<I", dfid) + string(name) + struct.pack("<IIII", mode, major, minor, 0)
+        )
 
     def lopen(self, fid: int, flags: int) -> None:
         self.call(TLOPEN, struct.pack("<II", fid, flags))
