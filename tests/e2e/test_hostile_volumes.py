@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aenv.config import Settings
 from aenv.network.netns import GATEWAY_ADDRESS
 from aenv.volumes.server import PORT, export_path
 
@@ -43,11 +44,43 @@ def volumes(node: NodeServer, sandboxes: Sandboxes, monkeypatch: pytest.MonkeyPa
         Volume.destroy(volume.volume_id)
 
 
-def test_a_hostile_guest_gets_nothing_of_the_host_from_its_volumes(volumes, sandboxes: Sandboxes) -> None:
+def servers_of(node: NodeServer) -> list[int]:
+    """The pids of the node's volume servers (diod is its child: every launcher execs in place)."""
+    children = []
+    for task in Path(f"/proc/{node.pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    return [int(pid) for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == "diod"]
+
+
+def assert_confined(pid: int) -> None:
+    """What the server has on the host: a uid of the range, no new privileges, seccomp, a root of
+    diod, its libraries and the volumes (nodev, nosuid), and a devices cgroup that denies all."""
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    assert status["Uid"].split() == [str(Settings().volume_uid_base)] * 4, status["Uid"]
+    assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2"
+    assert Path(f"/proc/{pid}/uid_map").read_text().split() == ["0", str(Settings().volume_uid_base), "65536"]
+    mounts = {
+        line.split()[4]: line.split()[5] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+    }
+    assert "ro" in mounts.pop("/").split(",")
+    for point, options in mounts.items():
+        assert point == "/diod" or point.startswith(("/lib", "/v/")), point  # no /usr, /proc, /dev
+        assert {"nodev", "nosuid"} <= set(options.split(",")), (point, options)
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if ":devices:" in line:
+            group = Path("/sys/fs/cgroup/devices", line.split(":", 2)[2].lstrip("/"))
+            assert (group / "devices.list").read_text() == "", group
+
+
+def test_a_hostile_guest_gets_nothing_of_the_host_from_its_volumes(
+    node: NodeServer, volumes, sandboxes: Sandboxes
+) -> None:
     from e2b import CommandExitException
 
     shared, small = volumes
     sandbox = sandboxes.create(volume_mounts={"/mnt/data": shared, "/mnt/small": small})
+    (server,) = servers_of(node)
+    assert_confined(server)
 
     # Raw 9P as the guest's unprivileged user, claiming uid 0: Tmknod of 1:11 (/dev/kmsg) refused.
     sandbox.files.write("/tmp/ninep_attack.py", ATTACK.read_text())

@@ -31,6 +31,7 @@ this server and the node listen in a sandbox's namespace.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -73,6 +74,7 @@ class Spec:
 
     root: str  # an empty directory of the node's (its mount point in the server's namespace)
     exports: dict[str, str]  # 9P export path (/v/<name>) -> the volume's data directory
+    files: dict[str, str]  # the server's binary and libraries (`server_files`)
     listen: str  # ADDRESS:PORT
     uid_base: int
     uid_count: int
@@ -112,6 +114,16 @@ def cgroup_dirs(name: str, proc_cgroup: str | None = None) -> dict[str, Path]:
     return found
 
 
+def remove_unused_groups() -> None:
+    """Delete the groups of servers that have exited (a node killed before it removed them); a
+    group whose server runs stays (the kernel refuses to remove it)."""
+    for parent in {group.parent for group in cgroup_dirs("-").values()}:
+        for group in parent.glob("*") if parent.is_dir() else ():
+            if group.is_dir():
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+
+
 def _enter_cgroup(name: str) -> None:
     for controller, group in cgroup_dirs(name).items():
         group.mkdir(parents=True, exist_ok=True)
@@ -120,32 +132,31 @@ def _enter_cgroup(name: str) -> None:
         (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
-def _shared_objects(binary: str) -> tuple[str, list[str]]:
-    """The ELF interpreter path `binary` names and the libraries it links (host paths)."""
+def server_files(binary: str) -> dict[str, str]:
+    """The files the server's root holds, by their path there: `binary` (as `/diod`), the ELF
+    interpreter it names and the libraries it links (found once by the node with `ldd`, which
+    costs ~10 ms: not at every start)."""
     out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
-    interpreter, libraries = "", []
+    files = {SERVER: os.path.realpath(binary)}
     for line in out.splitlines():
         words = line.split()
         if "=>" in words and len(words) > 2 and words[2].startswith("/"):
-            libraries.append(words[2])
+            files[f"{LIBRARIES}/{Path(words[2]).name}"] = os.path.realpath(words[2])
         elif words and words[0].startswith("/"):
-            interpreter = words[0]
-    return interpreter, libraries
+            files[words[0]] = os.path.realpath(words[0])
+    return files
 
 
-def _build_root(spec: Spec, binary: str) -> None:
+def _build_root(spec: Spec) -> None:
     """The server's root: a tmpfs with diod, its libraries, /etc and the volumes (see the docstring)."""
     root = spec.root
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("aenv-volume-server", root, "tmpfs", MS_NODEV | MS_NOSUID | MS_NOEXEC, "mode=0755,size=1m")
-    interpreter, libraries = _shared_objects(binary)
-    files = {SERVER: binary, interpreter: interpreter}
-    files |= {f"{LIBRARIES}/{Path(lib).name}": lib for lib in libraries}
-    for inner, host in files.items():
+    for inner, host in spec.files.items():
         target = Path(root + inner)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.touch()
-        _bind(os.path.realpath(host), str(target), MS_RDONLY | MS_NODEV | MS_NOSUID)
+        _bind(host, str(target), MS_RDONLY | MS_NODEV | MS_NOSUID)
     etc = Path(root, "etc")
     etc.mkdir()
     # diod names each client (getnameinfo): from files only, never a DNS query that fails.
@@ -213,13 +224,13 @@ def _lower_port_floor(port: int) -> None:
     Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").write_text(str(port))
 
 
-def run(spec: Spec, binary: str) -> None:
+def run(spec: Spec) -> None:
     """Confine this process as the docstring says, then exec diod (never returns)."""
     _enter_cgroup(spec.cgroup)
     _lower_port_floor(int(spec.listen.rpartition(":")[2]))
     helper, ready = _map_helper(spec)
     _check(_libc.unshare(CLONE_NEWNS), "unshare the mount namespace")
-    _build_root(spec, binary)
+    _build_root(spec)
     _enter_user_namespace(helper, ready)
     _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
     _seccomp()
@@ -230,4 +241,4 @@ def run(spec: Spec, binary: str) -> None:
 
 
 if __name__ == "__main__":
-    run(Spec(**json.loads(sys.argv[1])), sys.argv[2])
+    run(Spec(**json.loads(sys.argv[1])))

@@ -51,6 +51,8 @@ class VolumeServers:
     def __init__(self, root: Path, ids: IdRange):
         self.root = root
         self.ids = ids
+        self._files: dict[str, str] | None = None  # diod and its libraries (found at the first start)
+        jail.remove_unused_groups()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._servers: dict[str, asyncio.subprocess.Process] = {}
         self._loggers: set[asyncio.Task[None]] = set()
@@ -59,15 +61,18 @@ class VolumeServers:
         """Serve `exports` (volume name → data directory) in the sandbox's namespace, replacing
         any server it had; returns once the server accepts connections."""
         await self.stop(sandbox_id)
+        if self._files is None:
+            self._files = await asyncio.to_thread(jail.server_files, DIOD)
         spec = jail.Spec(
             root=str(self.root), exports={export_path(name): str(data) for name, data in exports.items()},
+            files=self._files,
             listen=f"{GATEWAY_ADDRESS}:{PORT}", uid_base=self.ids.base, uid_count=self.ids.count,
             cgroup=sandbox_id,
         )  # fmt: skip
         argv = [
             "setpriv", "--pdeathsig", "KILL", "--",
             "nsenter", f"--net=/run/netns/{network.name}", "--",
-            sys.executable, "-m", jail.__name__, json.dumps(asdict(spec)), DIOD,
+            sys.executable, "-m", jail.__name__, json.dumps(asdict(spec)),
         ]  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,

@@ -8,8 +8,8 @@ Each volume is a filesystem of its own: an ext4 image of the volume's size (spar
 host's disk only as it fills), loop-mounted `nodev,nosuid,noexec` on `data/`. That bounds what
 the content API and every guest together can write (ENOSPC past it, never a neighbour's or the
 node's space lost) with nothing to account in the node, and no device node on it ever opens.
-Measured here: creating one (truncate, mkfs.ext4, mount) takes ~50 ms and 1 MiB of host disk
-at 1 GiB; deleting one is an unmount and an unlink, whatever its tree. The image is mounted
+Measured here: creating one of 1 GiB (truncate, mkfs.ext4, mount) takes ~10 ms and 0.7 MiB of
+host disk; deleting one is an unmount and an unlink, whatever its tree. The image is mounted
 when the store opens (the node's start) or the volume is made, and unmounted by `close`.
 
 Files belong to the guests' uids shifted into `IdRange` (the host uids the volume server maps
@@ -44,7 +44,11 @@ VOLUME_ID = re.compile(r"^vol[a-z0-9]{20}$")
 RECORD = "volume.json"
 IMAGE = "volume.img"
 MIN_VOLUME_MIB = 16  # below this ext4's own metadata is most of the volume
-MOUNT_OPTIONS = "loop,nodev,nosuid,noexec"
+# The image is a new sparse file, which reads as zeros: so neither mkfs nor the kernel's lazy
+# init thread need to zero the journal and inode tables (measured at 1 GiB: 33 MiB of host disk
+# and 14 ms with them zeroed, 0.7 MiB and 10 ms without).
+MKFS_OPTIONS = "lazy_journal_init=1,lazy_itable_init=1"
+MOUNT_OPTIONS = "loop,nodev,nosuid,noexec,noinit_itable"
 GUEST_IDS = 65536  # guests' uids and gids 0..65535 are mapped (every user a Linux image has)
 OVERFLOW_ID = 65534  # what an id outside the range shows as (the kernel's overflow uid)
 
@@ -158,7 +162,7 @@ class VolumeStore:
         with open(image, "xb") as f:
             f.truncate(size_mib * 2**20)
         root_owner = f"{self.ids.base}:{self.ids.base}"
-        _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E", f"root_owner={root_owner}", str(image))
+        _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E", f"root_owner={root_owner},{MKFS_OPTIONS}", str(image))
         data = self._mount(directory)
         (data / "lost+found").rmdir()  # not the user's; e2fsck makes it again if it needs one
         data.chmod(0o777)
