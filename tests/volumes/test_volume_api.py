@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,6 +200,11 @@ def test_owners_are_guest_ids_on_the_host_range(store: VolumeStore) -> None:
         assert volume.get_info("/").uid == 0
         with pytest.raises(VolumeException, match="out of range"):
             volume.update_metadata("/d/f.txt", uid=GUEST_IDS)
+        os.mkfifo(root / "fifo")  # never opened (it would block), nor would a device node be
+        os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        for special in ("/fifo", "/null"):
+            with pytest.raises(VolumeException, match="not a regular file"):
+                volume.read_file(special)
     finally:
         Volume.destroy(volume.volume_id)
 

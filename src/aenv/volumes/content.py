@@ -168,19 +168,21 @@ class VolumeContent:
                     os.close(fd)
 
     def open_file(self, path: str) -> tuple[int, int]:
-        """A descriptor on a regular file for reading, and its size."""
+        """A descriptor on a regular file for reading, and its size. Anything else is never
+        opened (only looked at through an O_PATH descriptor): opening a device node or a FIFO a
+        volume of before the volume server's confinement may hold could act on the host."""
         with self._parent(path) as (directory, name, _):
             try:
-                fd = os.open(
-                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory
-                )
+                handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
             except OSError as exc:
                 raise _refusal(exc, path) from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise InvalidRequest(f"path {path} is not a regular file")
-        return fd, info.st_size
+        try:
+            if not stat.S_ISREG(os.fstat(handle).st_mode):
+                raise InvalidRequest(f"path {path} is not a regular file")
+            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC)  # that same inode
+        finally:
+            os.close(handle)
+        return fd, os.fstat(fd).st_size
 
     # -- writes ----------------------------------------------------------------------------
 
