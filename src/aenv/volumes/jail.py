@@ -87,9 +87,12 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _bytes(value: str | None) -> bytes | None:
+    return value.encode() if value is not None else None
+
+
 def _mount(source: str | None, target: str, kind: str | None, flags: int, data: str | None = None) -> None:
-    encode = lambda v: v.encode() if v is not None else None  # noqa: E731
-    result = _libc.mount(encode(source), target.encode(), encode(kind), ctypes.c_ulong(flags), encode(data))
+    result = _libc.mount(_bytes(source), target.encode(), _bytes(kind), ctypes.c_ulong(flags), _bytes(data))
     _check(result, f"mount {source} on {target}")
 
 
@@ -102,11 +105,10 @@ def _bind(source: str, target: str, flags: int) -> None:
 CGROUP_SETTINGS = {"devices": ("devices.deny", "a"), "pids": ("pids.max", str(PIDS_MAX))}
 
 
-def cgroup_dirs(name: str, proc_cgroup: str | None = None) -> dict[str, Path]:
+def cgroup_dirs(name: str) -> dict[str, Path]:
     """The server's group in each cgroup-v1 controller it uses that the host has, by controller."""
-    text = Path("/proc/self/cgroup").read_text() if proc_cgroup is None else proc_cgroup
     found = {}
-    for line in text.splitlines():
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         for controller in CGROUP_SETTINGS:
             if controller in controllers.split(",") and (CGROUP_V1 / controller).is_dir():
@@ -125,11 +127,17 @@ def remove_unused_groups() -> None:
 
 
 def _enter_cgroup(name: str) -> None:
+    """Join the server's groups; where groups cannot be made (a container without delegation) it
+    runs without them, said in the node's log, as VMs do (`aenv.vmm.confine`): the device denial
+    still holds through `nodev` and the missing `CAP_MKNOD`."""
     for controller, group in cgroup_dirs(name).items():
-        group.mkdir(parents=True, exist_ok=True)
         file, value = CGROUP_SETTINGS[controller]
-        (group / file).write_text(value)
-        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            group.mkdir(parents=True, exist_ok=True)
+            (group / file).write_text(value)
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError as exc:
+            print(f"running without a {controller} cgroup: {exc}", file=sys.stderr, flush=True)
 
 
 def server_files(binary: str) -> dict[str, str]:
