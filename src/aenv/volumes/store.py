@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -41,6 +42,8 @@ from .tree import remove_tree
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 NAME = re.compile(NAME_PATTERN)
 VOLUME_ID = re.compile(r"^vol[a-z0-9]{20}$")
+log = logging.getLogger(__name__)
+
 RECORD = "volume.json"
 IMAGE = "volume.img"
 MIN_VOLUME_MIB = 16  # below this ext4's own metadata is most of the volume
@@ -98,7 +101,10 @@ class VolumeStore:
         self._mounting = threading.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         for volume in self.all():
-            self.data(volume)
+            try:
+                self.data(volume)
+            except OperationFailed as exc:  # that volume fails its uses (saying why), not the node
+                log.error("volume %s (%s) cannot be mounted: %s", volume.volume_id, volume.name, exc.message)
 
     def data(self, volume: Volume) -> Path:
         """The directory holding the volume's files (what sandboxes and the content API see),
