@@ -25,8 +25,9 @@ PACKAGES=(
 )
 # envd's command starter (src/aenv/agent/exec.c), compiled static for the tools drive.
 PACKAGES+=(gcc libc6-dev)
-# Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server).
-PACKAGES+=(diod)
+# Volumes: diod serves a sandbox's volumes into its namespace over 9P (aenv.volumes.server),
+# under a seccomp filter loaded through libseccomp (pyseccomp, aenv.volumes.jail).
+PACKAGES+=(diod libseccomp2)
 # Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.
 PACKAGES+=(redis-server)
 # On-demand loading from an s3 repository (aenv.storage.lazyfs): libfuse3 and fusermount3.

@@ -67,6 +67,11 @@ class Settings:
     vmm_cgroups: bool = True
     vmm_memory_overhead_mib: int = 192
     vmm_pids_max: int = 256
+    # Volumes (aenv.volumes): each is a filesystem image of its size, volume_max_mib when a create
+    # names none (and the most one may name). Their servers map guests' uids and gids 0..65535
+    # onto the host's volume_uid_base.. (a range that must hold no host user).
+    volume_max_mib: int = 1024
+    volume_uid_base: int = 1_900_000_000
     # Merge equal pages across this node's QEMUs (KSM, aenv.vmm.merge): about 14 MiB less host RAM
     # per idle sandbox under TCG, for ksmd's CPU, QEMU without layout randomisation and the side
     # channels of shared pages; for single-tenant fleets. Needs KSM running on the host.
@@ -156,6 +161,8 @@ class Settings:
         first_uid = self.vmm_uid_base + 2 * self.slot_first
         if self.vmm_uid_base and not (first_uid >= 65536 and first_uid + 2 * self.slot_count <= 2**31):
             problems.append("vmm_uid_base must be 0, or leave the VMM uids between 65536 and 2**31 - 1")
+        if self.volume_max_mib < 16 or not 65536 <= self.volume_uid_base <= 2**31 - 1 - 65536:
+            problems.append("volume_max_mib must be at least 16, volume_uid_base in 65536..2**31 - 65537")
         if self.vmm_memory_overhead_mib < 0 or self.vmm_pids_max < 16 or self.memory_overcommit <= 0:
             problems.append("vmm_memory_overhead_mib, vmm_pids_max (>= 16) or memory_overcommit out of range")
         for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval", "disk_reserve_mib"):

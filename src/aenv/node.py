@@ -45,7 +45,7 @@ from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
 from .volumes.mounts import SandboxVolumes
 from .volumes.server import VolumeServers
-from .volumes.store import VolumeStore
+from .volumes.store import GUEST_IDS, IdRange, VolumeStore
 
 log = logging.getLogger("aenv.node")
 
@@ -128,8 +128,9 @@ class Node:
         )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
-        volume_store = VolumeStore(home / "volumes")
-        volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root"))
+        ids = IdRange(settings.volume_uid_base, GUEST_IDS)
+        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib)
+        volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root", ids))
         self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"), volumes)
         volume_store.in_use = self.orchestrator.volume_users
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())

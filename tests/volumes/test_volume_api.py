@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from aenv.api import schemas
 from aenv.api.runner import APIRunner
 from aenv.api.server import NodeAPI
 from aenv.config import Settings
-from aenv.volumes.store import VolumeStore
+from aenv.volumes.store import GUEST_IDS, IdRange, VolumeStore
 
 KEY = "e2b_" + "1a" * 20
 MOUNTED = "in-use"  # the volume name the fake orchestrator says a sandbox mounts
@@ -29,11 +30,16 @@ class NoNode:
         raise AssertionError(f"the volume API called the node service ({name})")
 
 
+IDS = IdRange(1_900_000_000, GUEST_IDS)
+
+
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> VolumeStore:
-    return VolumeStore(
-        tmp_path_factory.mktemp("home") / "volumes", lambda name: ["isbx"] if name == MOUNTED else []
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VolumeStore]:
+    store = VolumeStore(
+        tmp_path_factory.mktemp("home") / "volumes", IDS, 64, lambda name: ["isbx"] if name == MOUNTED else []
     )
+    yield store
+    store.close()
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +184,68 @@ def test_volume_mounts_are_validated() -> None:
     ):
         with pytest.raises(ValueError):
             mounts(bad)
+
+
+def test_owners_are_guest_ids_on_the_host_range(store: VolumeStore) -> None:
+    """What the content API shows and sets are guests' ids; on the host they are the mapped range."""
+    from e2b import Volume, VolumeException
+
+    volume = Volume.create("owners")
+    try:
+        root = store.data(store.get(volume.volume_id))
+        written = volume.write_file("/d/f.txt", "x", force=True, uid=1000, gid=1000)
+        assert (written.uid, written.gid) == (1000, 1000)
+        assert (root / "d" / "f.txt").stat().st_uid == IDS.base + 1000
+        assert (root / "d").stat().st_uid == IDS.base  # made for it: the guests' root
+        assert volume.get_info("/").uid == 0
+        with pytest.raises(VolumeException, match="out of range"):
+            volume.update_metadata("/d/f.txt", uid=GUEST_IDS)
+        os.mkfifo(root / "fifo")  # never opened (it would block), nor would a device node be
+        os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        for special in ("/fifo", "/null"):
+            with pytest.raises(VolumeException, match="not a regular file"):
+                volume.read_file(special)
+    finally:
+        Volume.destroy(volume.volume_id)
+
+
+def test_deep_trees_are_deleted(store: VolumeStore, node_url: str) -> None:
+    """1,200 levels (shutil.rmtree's recursion failed at ~1,000): a path, then a whole volume."""
+    from e2b import Volume
+
+    volume = Volume.create("deep")
+    deep = "/".join(["d"] * 1200)
+    volume.make_dir(f"/top/{deep}", force=True)
+    root = store.data(store.get(volume.volume_id))
+    (root / "top" / deep / "f.txt").write_text("bottom")
+    (root / "top" / "d" / "link").symlink_to("/etc")  # removed, never followed
+    volume.remove("/top")
+    assert volume.list("/") == []
+    volume.make_dir(f"/again/{deep}", force=True)
+    assert Volume.destroy(volume.volume_id) is True
+    assert not (store.root / volume.volume_id).exists()
+    assert Path("/etc/hostname").exists()
+
+
+def test_a_volume_never_grows_past_its_size(store: VolumeStore, node_url: str) -> None:
+    """The size set at create bounds the content API's writes (507, the file left as it was)."""
+    from e2b import Volume
+
+    headers = {"X-API-Key": KEY}
+    answer = httpx.post(f"{node_url}/volumes", json={"name": "small", "sizeMiB": 16}, headers=headers)
+    assert answer.status_code == 201 and answer.json()["sizeMiB"] == 16
+    volume = Volume.connect(answer.json()["volumeID"])
+    try:
+        volume.write_file("/kept.bin", b"k" * 2**20)
+        url = f"{node_url}/volumecontent/{volume.volume_id}/file"
+        auth = {"Authorization": f"Bearer {volume.token}"}
+        for path in ("/big.bin", "/kept.bin"):
+            answer = httpx.put(url, params={"path": path}, content=b"x" * (20 * 2**20), headers=auth)
+            assert answer.status_code == 507 and "full" in answer.json()["message"]
+        assert volume.read_file("/kept.bin", format="bytes") == b"k" * 2**20
+        assert [e.name for e in volume.list("/")] == ["kept.bin"]  # no upload left behind
+        for size in (8, 10**6, "16"):
+            answer = httpx.post(f"{node_url}/volumes", json={"name": "no", "sizeMiB": size}, headers=headers)
+            assert answer.status_code == 400, size
+    finally:
+        Volume.destroy(volume.volume_id)

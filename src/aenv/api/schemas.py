@@ -30,14 +30,14 @@ from pydantic import (
 )
 
 from ..config import Settings
-from ..volumes.store import NAME_PATTERN
+from ..volumes.store import MIN_VOLUME_MIB, NAME_PATTERN
 from ..wiretypes import INTEGRAL, Int
 
 StrMap = dict[StrictStr, StrictStr]
 
 # JSON-schema marker naming the setting whose value is the field's `maximum` (see openapi.py).
 LIMIT_KEY = "x-aenv-maximum-setting"
-LIMITED_SETTINGS = ("max_timeout", "max_fork_count")
+LIMITED_SETTINGS = ("max_timeout", "max_fork_count", "volume_max_mib")
 
 
 def limits(settings: Settings) -> dict[str, int]:
@@ -66,6 +66,12 @@ ForkCount = Annotated[
     Field(ge=1, json_schema_extra={LIMIT_KEY: "max_fork_count"}),
     INTEGRAL,
     _at_most("max_fork_count", ""),
+]
+VolumeSize = Annotated[
+    StrictInt,
+    Field(ge=MIN_VOLUME_MIB, description="MiB", json_schema_extra={LIMIT_KEY: "volume_max_mib"}),
+    INTEGRAL,
+    _at_most("volume_max_mib", " MiB"),
 ]
 RefreshDuration = Annotated[StrictInt, Field(ge=0, le=3600, description="seconds"), INTEGRAL]
 
@@ -192,9 +198,11 @@ class VolumeMount(Body):
 
 
 class NewVolume(Body):
-    """`POST /volumes`."""
+    """`POST /volumes`; `sizeMiB` is aenv's (E2B's create has no size): the volume's size, the
+    node's `volume_max_mib` when not given."""
 
     name: StrictStr = Field(pattern=VOLUME_NAME)
+    size_mib: VolumeSize | None = Field(default=None, alias="sizeMiB")
 
 
 class VolumeMetadata(Body):

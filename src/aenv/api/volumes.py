@@ -66,7 +66,7 @@ QUERY_PARAMETERS: dict[str, list[dict[str, Any]]] = {
 
 
 def _volume(volume: Volume, *, token: bool) -> dict[str, Any]:
-    body = {"volumeID": volume.volume_id, "name": volume.name}
+    body = {"volumeID": volume.volume_id, "name": volume.name, "sizeMiB": volume.size_mib}
     return body | {"token": volume.token} if token else body
 
 
@@ -99,7 +99,7 @@ class VolumeAPI:
     async def create_volume(self, request: web.Request) -> web.Response:
         """Create a volume; the answer carries its token for the content API."""
         body = await self.parse(request, NewVolume)
-        volume = await asyncio.to_thread(self.store.create, body.name)
+        volume = await asyncio.to_thread(self.store.create, body.name, body.size_mib)
         return web.json_response(_volume(volume, token=True), status=201)
 
     async def list_volumes(self, request: web.Request) -> web.Response:
@@ -126,7 +126,7 @@ class VolumeAPI:
             error = exc.errors()[0]
             where = ".".join(str(p) for p in error["loc"])
             raise InvalidRequest(f"query parameter {where}: {error['msg']}") from None
-        return VolumeContent(self.store.data(volume)), query
+        return VolumeContent(self.store.data(volume), self.store.ids), query
 
     async def list_dir(self, request: web.Request) -> web.Response:
         """The entries of a directory, `depth` levels deep."""

@@ -13,14 +13,15 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import stat
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..orchestrator.errors import Conflict, InvalidRequest, NotFound
+from ..orchestrator.errors import Conflict, InsufficientStorage, InvalidRequest, NotFound, OperationFailed
+from .store import IdRange
+from .tree import remove_tree
 
 CHUNK = 1 << 20
 MAX_DEPTH = 16
@@ -46,11 +47,16 @@ def open_beneath(root: int, relative: str, flags: int) -> int:
     return fd
 
 
-class VolumeContent:
-    """File operations confined to `root` (a volume's data directory)."""
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
-    def __init__(self, root: Path):
+
+class VolumeContent:
+    """File operations confined to `root` (a volume's data directory); owners are shown and set
+    as guests see them (`ids`: the host ids they are)."""
+
+    def __init__(self, root: Path, ids: IdRange):
         self.root = root
+        self.ids = ids
 
     # -- paths -----------------------------------------------------------------------------
 
@@ -75,6 +81,7 @@ class VolumeContent:
                         contextlib.suppress(FileExistsError),
                     ):
                         os.mkdir(parts[depth - 1], 0o755, dir_fd=parent)
+                        Owner(0, 0).apply(parent, parts[depth - 1], self.ids)
             try:
                 fd = open_beneath(root, "/".join(parts), os.O_PATH | os.O_DIRECTORY)
             except OSError as exc:
@@ -97,8 +104,7 @@ class VolumeContent:
 
     # -- reads -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _entry(directory: int, name: str, public: str) -> dict[str, Any]:
+    def _entry(self, directory: int, name: str, public: str) -> dict[str, Any]:
         """E2B's `VolumeEntryStat` of `name` in `directory` (a final symlink is not followed)."""
         info = os.stat(name, dir_fd=directory, follow_symlinks=False)
         mode = info.st_mode
@@ -110,8 +116,8 @@ class VolumeContent:
             "path": public,
             "size": info.st_size,
             "mode": stat.S_IMODE(mode),
-            "uid": info.st_uid,
-            "gid": info.st_gid,
+            "uid": self.ids.guest(info.st_uid),
+            "gid": self.ids.guest(info.st_gid),
             "atime": _time(info.st_atime),
             "mtime": _time(info.st_mtime),
             "ctime": _time(info.st_ctime),
@@ -162,36 +168,39 @@ class VolumeContent:
                     os.close(fd)
 
     def open_file(self, path: str) -> tuple[int, int]:
-        """A descriptor on a regular file for reading, and its size."""
+        """A descriptor on a regular file for reading, and its size. Anything else is never
+        opened (only looked at through an O_PATH descriptor): opening a device node or a FIFO a
+        volume of before the volume server's confinement may hold could act on the host."""
         with self._parent(path) as (directory, name, _):
             try:
-                fd = os.open(
-                    name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory
-                )
+                handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
             except OSError as exc:
                 raise _refusal(exc, path) from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise InvalidRequest(f"path {path} is not a regular file")
-        return fd, info.st_size
+        try:
+            if not stat.S_ISREG(os.fstat(handle).st_mode):
+                raise InvalidRequest(f"path {path} is not a regular file")
+            fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC)  # that same inode
+        finally:
+            os.close(handle)
+        return fd, os.fstat(fd).st_size
 
     # -- writes ----------------------------------------------------------------------------
 
     def make_dir(self, path: str, *, parents: bool, owner: Owner) -> dict[str, Any]:
-        with self._parent(path, create=parents) as (fd, name, public):
+        with _full(path), self._parent(path, create=parents) as (fd, name, public):
             try:
                 os.mkdir(name, 0o755, dir_fd=fd)
             except FileExistsError:
                 raise Conflict(f"{path} already exists") from None
-            owner.apply(fd, name)
+            owner.created().apply(fd, name, self.ids)
             return self._entry(fd, name, public)
 
     async def write_file(
         self, path: str, chunks: AsyncIterator[bytes], *, parents: bool, owner: Owner
     ) -> dict[str, Any]:
-        """Write the file from `chunks` through a temporary file, replacing it in one rename."""
-        with self._parent(path, create=parents) as (directory, name, public):
+        """Write the file from `chunks` through a temporary file, replacing it in one rename (a
+        write past the volume's size leaves the file as it was)."""
+        with _full(path), self._parent(path, create=parents) as (directory, name, public):
             temporary = f".{name}.aenv-upload-{os.getpid()}-{id(chunks)}"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(temporary, flags, 0o644, dir_fd=directory)
@@ -199,7 +208,7 @@ class VolumeContent:
                 with os.fdopen(fd, "wb") as f:
                     async for chunk in chunks:
                         f.write(chunk)
-                owner.apply(directory, temporary)
+                owner.created().apply(directory, temporary, self.ids)
                 os.rename(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
             except IsADirectoryError:
                 os.unlink(temporary, dir_fd=directory)
@@ -213,21 +222,24 @@ class VolumeContent:
     def update(self, path: str, owner: Owner) -> dict[str, Any]:
         with self._parent(path) as (fd, name, public):
             try:
-                owner.apply(fd, name)
+                owner.apply(fd, name, self.ids)
                 return self._entry(fd, name, public)
             except FileNotFoundError:
                 raise _missing(path) from None
 
     def remove(self, path: str) -> None:
+        """Remove a file, or a directory with everything in it at any depth (`aenv.volumes.tree`)."""
         with self._parent(path) as (fd, name, _):
             try:
-                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 raise _missing(path) from None
-            if stat.S_ISDIR(info.st_mode):
-                shutil.rmtree(name, dir_fd=fd)  # never follows symlinks (the fd-based variant)
-            else:
-                os.unlink(name, dir_fd=fd)
+            try:
+                remove_tree(fd, name)
+            except OSError as exc:
+                raise OperationFailed(
+                    f"removing {path} failed ({exc.strerror}): what was not yet removed is still there"
+                ) from None
 
 
 class Owner:
@@ -236,9 +248,13 @@ class Owner:
     def __init__(self, uid: int | None = None, gid: int | None = None, mode: int | None = None):
         self.uid, self.gid, self.mode = uid, gid, mode
 
-    def apply(self, directory: int, name: str) -> None:
+    def created(self) -> Owner:
+        """For an entry the content API makes: owned by the guests' root unless said otherwise."""
+        return Owner(0 if self.uid is None else self.uid, 0 if self.gid is None else self.gid, self.mode)
+
+    def apply(self, directory: int, name: str, ids: IdRange) -> None:
         if self.uid is not None or self.gid is not None:
-            uid, gid = (-1 if v is None else v for v in (self.uid, self.gid))
+            uid, gid = (-1 if v is None else ids.host(v) for v in (self.uid, self.gid))
             os.chown(name, uid, gid, dir_fd=directory, follow_symlinks=False)
         if self.mode is not None:
             info = os.stat(name, dir_fd=directory, follow_symlinks=False)
@@ -248,6 +264,17 @@ class Owner:
                     os.chmod(f"/proc/self/fd/{fd}", self.mode)
                 finally:
                     os.close(fd)
+
+
+@contextlib.contextmanager
+def _full(path: str) -> Iterator[None]:
+    """A write that found the volume full: E2B's answer for no space (507)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        raise InsufficientStorage(f"the volume is full: {path} was not written") from None
 
 
 def _missing(path: str) -> NotFound:

@@ -9,6 +9,7 @@ to them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from ..orchestrator.errors import InvalidRequest
@@ -60,3 +61,4 @@ class SandboxVolumes:
 
     async def close(self) -> None:
         await self.servers.close()
+        await asyncio.to_thread(self.store.close)

@@ -6,23 +6,29 @@ migration, which pause and snapshot use. A network filesystem served into the sa
 namespace has neither problem: the guest sees `GATEWAY_ADDRESS:PORT`, exactly as every other
 sandbox does, and only the volumes its create request named are there.
 
-diod runs as root (so files keep the guest's owners), chrooted into a tmpfs of its own mount
-namespace that holds the host's `/usr` read-only and the sandbox's volumes under `/v/<name>`:
-a guest speaking raw 9P through a symlink still reaches nothing else of the host. It dies with
-the node (`--pdeathsig`), and the node starts it again for every resume and fork child.
+diod runs confined by `aenv.volumes.jail` (a user namespace mapping the guest's uids onto an
+unprivileged host range, a root holding only diod, its libraries and the sandbox's volumes bound
+`nodev,nosuid,noexec`, seccomp, a deny-all devices cgroup): the uid a guest claims over 9P is
+trusted, so files keep the guest's owners, but it is only ever one of that range's host uids.
+It dies with the node (`--pdeathsig`), and the node starts it again for every resume and fork
+child.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-import shlex
+import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from ..network.egress import VOLUME_PORT
 from ..network.netns import GATEWAY_ADDRESS, SandboxNetwork
+from . import jail
+from .store import IdRange
 
 log = logging.getLogger(__name__)
 
@@ -38,39 +44,15 @@ def export_path(name: str) -> str:
     return f"{EXPORTS}/{name}"
 
 
-def _script(root: Path, exports: dict[str, Path]) -> str:
-    """The shell steps, in the server's private mount namespace, that build its root and exec diod."""
-    q = shlex.quote
-    steps = [
-        "set -e",
-        f"mount -t tmpfs -o mode=0755,size=1m aenv-volumes {q(str(root))}",
-        f"mkdir {q(f'{root}/usr')} {q(f'{root}{EXPORTS}')}",
-        f"mount --bind -o ro /usr {q(f'{root}/usr')}",
-        # diod names each client (getnameinfo): from files only, never a DNS query that fails.
-        f"mkdir {q(f'{root}/etc')}",
-        f"echo 'hosts: files' > {q(f'{root}/etc/nsswitch.conf')}",
-        f"echo '127.0.0.1 localhost' > {q(f'{root}/etc/hosts')}",
-    ]
-    for top in ("lib", "lib64", "bin", "sbin"):  # merged /usr: symlinks; else read-only binds
-        host = Path("/") / top
-        if host.is_symlink():
-            steps.append(f"ln -s {q(str(host.readlink()).lstrip('/'))} {q(f'{root}/{top}')}")
-        elif host.is_dir():
-            steps += [f"mkdir {q(f'{root}/{top}')}", f"mount --bind -o ro /{top} {q(f'{root}/{top}')}"]
-    argv = [DIOD, "-f", "-n", "-N", "-L", "stderr", "-l", f"{GATEWAY_ADDRESS}:{PORT}"]
-    for name, data in exports.items():
-        inner = f"{root}{export_path(name)}"
-        steps += [f"mkdir {q(inner)}", f"mount --bind {q(str(data))} {q(inner)}"]
-        argv += ["-e", export_path(name)]
-    steps.append(f"exec chroot {q(str(root))} {shlex.join(argv)}")
-    return "\n".join(steps)
-
-
 class VolumeServers:
-    """One diod per sandbox with volumes; `root` is an empty directory each one mounts its root on."""
+    """One diod per sandbox with volumes; `root` is an empty directory each one mounts its root on,
+    `ids` the host uids and gids guests' ids become."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, ids: IdRange):
         self.root = root
+        self.ids = ids
+        self._files: dict[str, str] | None = None  # diod and its libraries (found at the first start)
+        jail.remove_unused_groups()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._servers: dict[str, asyncio.subprocess.Process] = {}
         self._loggers: set[asyncio.Task[None]] = set()
@@ -79,11 +61,18 @@ class VolumeServers:
         """Serve `exports` (volume name → data directory) in the sandbox's namespace, replacing
         any server it had; returns once the server accepts connections."""
         await self.stop(sandbox_id)
+        if self._files is None:
+            self._files = await asyncio.to_thread(jail.server_files, DIOD)
+        spec = jail.Spec(
+            root=str(self.root), exports={export_path(name): str(data) for name, data in exports.items()},
+            files=self._files,
+            listen=f"{GATEWAY_ADDRESS}:{PORT}", uid_base=self.ids.base, uid_count=self.ids.count,
+            cgroup=sandbox_id,
+        )  # fmt: skip
         argv = [
             "setpriv", "--pdeathsig", "KILL", "--",
             "nsenter", f"--net=/run/netns/{network.name}", "--",
-            "unshare", "--mount", "--propagation", "private", "--",
-            "sh", "-c", _script(self.root, exports),
+            sys.executable, "-m", jail.__name__, json.dumps(asdict(spec)),
         ]  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -130,15 +119,19 @@ class VolumeServers:
     async def stop(self, sandbox_id: str) -> None:
         """End the sandbox's server, if it has one."""
         process = self._servers.pop(sandbox_id, None)
-        if process is None or process.returncode is not None:
+        if process is None:
             return
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        for group in jail.cgroup_dirs(sandbox_id).values():
+            with contextlib.suppress(OSError):
+                group.rmdir()
 
     async def close(self) -> None:
         for sandbox_id in list(self._servers):
