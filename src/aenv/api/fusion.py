@@ -51,6 +51,7 @@ Parse = Callable[[web.Request, type[BaseModel]], Awaitable[Any]]
 WORKDIR = "/tmp/fusion"  # the program's working directory; relative file paths are under it
 STDIN_FILE = ".stdin"
 MAX_STREAM = 8 << 20  # bytes of stdout and of stderr kept per phase; the rest is dropped
+CONNECT_TIMEOUT = 30.0  # seconds to connect to this server's own listener
 SANDBOX_GRACE = 60  # seconds a sandbox outlives its request's timeouts, should its kill be lost
 MISSING = "aenv-fusion: no program "  # what a phase's check says when the template lacks its tool
 # SandboxFusion's languages (its client's `Language`): others are bad requests.
@@ -319,7 +320,9 @@ class Fusion:
 
     def _guest(self, sandbox_id: str, envd_token: str | None) -> GuestSession:
         if self._http is None:  # made on the serving loop, at the first request
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # No overall deadline (aiohttp's default is 5 min): a run's own timeout bounds it.
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT)
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
         headers = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
         if envd_token:
             headers[ACCESS_TOKEN_HEADER] = envd_token
