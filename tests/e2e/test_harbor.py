@@ -6,13 +6,13 @@ the job's directory mounted there, all gone with it). The task is Harbor's forma
 Dockerfile starts `FROM` a Debian image in a local registry and uses ENV, COPY, RUN, USER and
 WORKDIR; Harbor builds a template from it (`Template.from_dockerfile`, `build_in_background`,
 `get_build_status`), starts the trial's sandbox from `<name>:<build id>`, runs the oracle's
-`solution/solve.sh` and the verifier's `tests/test.sh`, which must write reward 1.
+`solution/solve.sh` and the verifier's `tests/test.sh`, which must write reward 1: against the
+session's node, and against the gateway of a one-node cluster.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from aenv.devcluster import ClusterProcess
 from aenv.guest.cache import cached_build, inputs_key
 from aenv.guest.rootfs import MIRROR
 from tests.e2e.conftest import NodeServer
+from tests.fusion.test_fusion_gateway import front  # noqa: F401 - the gateway of a one-node cluster
 from tests.template.conftest import run_registry
 from tests.template.debian import debian_layout
 
@@ -135,11 +137,18 @@ def write_task(task: Path, image: str) -> None:
         (task / script).chmod(0o755)
 
 
+@pytest.mark.parametrize("entrance", ["node", "gateway"])
 def test_harbor_oracle_runs_to_reward_1(
-    node: NodeServer, harbor_tree: Path, image: str, tmp_path: Path
+    entrance: str, request: pytest.FixtureRequest, harbor_tree: Path, image: str, tmp_path: Path
 ) -> None:
+    if entrance == "node":
+        node: NodeServer = request.getfixturevalue("node")
+        url, key = node.url, node.key
+    else:
+        gateway: ClusterProcess = request.getfixturevalue("front")
+        url, key = gateway.url, gateway.key
     write_task(tmp_path / "task", image)
-    env = {name: os.environ[name] for name in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    env = {"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key}
     output = in_tree(
         harbor_tree, tmp_path,
         ["/opt/harbor/bin/harbor", "run", "--yes", "--env", "e2b", "--agent", "oracle",
