@@ -30,6 +30,7 @@ FIGURES = (
     "template-build",
     "storage",
     "cluster",
+    "fusion",
 )
 
 
@@ -108,4 +109,6 @@ TARGETS: dict[str, Target] = {
     "cluster-list": _ratio("median", "<=", 2.0),
     # floor: the same creates straight to one node, as many in flight
     "cluster-placement": _ratio("median", ">=", 0.5),
+    # floor: commands.run of the same program in running sandboxes, as many at once (issue 35)
+    "fusion": _ratio("median", "<=", 1.5),
 }

@@ -115,6 +115,10 @@ class Settings:
     # How long the scheduler remembers a sandbox killed while its node was down (its tombstone):
     # the node, back within this time, kills it instead of binding it again.
     tombstone_ttl: float = 30 * 86400.0
+    # SandboxFusion's API (aenv.api.fusion) at <node or gateway URL>/fusion/<fusion_token>; off
+    # while unset. Each request runs in a fresh sandbox of fusion_template.
+    fusion_token: str | None = None
+    fusion_template: str = "base"
     log_level: str = "INFO"
     log_format: str = "text"  # or json: one object a line, with the sandbox's id (aenv.logs)
 

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from . import __version__, logs, paths
 from .api import schemas
+from .api.fusion import Fusion
 from .api.runner import APIRunner
 from .api.server import NodeAPI
 from .cluster.membership import Membership
@@ -158,7 +159,12 @@ class Node:
             self.api.registry.register(self.storage.peers)
             self.api.registry.register(blobs)
         self.runner = APIRunner(
-            self.api.app(key, settings.cluster_secret, [blobs.route()]),
+            self.api.app(
+                key,
+                settings.cluster_secret,
+                [blobs.route()],
+                Fusion.of(settings, settings.api_addr, settings.cluster_secret),
+            ),
             access_log=None,
             handle_signals=False,
             auto_decompress=False,

@@ -46,6 +46,7 @@ from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
 from ..volumes.store import VolumeStore
 from . import openapi, schemas, templates, views, volumes
+from .fusion import Fusion
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 
 log = logging.getLogger(__name__)
@@ -306,13 +307,18 @@ class NodeAPI:
     # -- wiring ----------------------------------------------------------------------------
 
     def app(
-        self, api_key: str, cluster_secret: str | None = None, internal: Iterable[Route] = ()
+        self,
+        api_key: str,
+        cluster_secret: str | None = None,
+        internal: Iterable[Route] = (),
+        fusion: Fusion | None = None,
     ) -> web.Application:
         """The API and proxy; with a `cluster_secret` (a node in a cluster) every request but the
         public ones must carry the secret instead of the API key (`aenv.cluster.auth`), and the
         internal route gateways call the node through is mounted (`aenv.cluster.wire`): never
         without the secret, as it takes calls without the public API's validation. `internal`:
-        node-to-node routes mounted outside the OpenAPI document (`aenv.storage.peers`)."""
+        node-to-node routes mounted outside the OpenAPI document (`aenv.storage.peers`); `fusion`:
+        SandboxFusion's API (`aenv.api.fusion`), also outside it."""
         measured = [self.telemetry.middleware(), logs.request_context, errors]
         if cluster_secret:
             access = cluster_gate(cluster_secret, PUBLIC_PATHS, error_response)
@@ -325,6 +331,8 @@ class NodeAPI:
         gateway = [node_route(self.node)] if cluster_secret else []
         for method, path, handler in [*self.routes(), *gateway, *internal]:
             app.router.add_route(method, path, handler)
+        if fusion is not None:
+            fusion.mount(app, self.node, parse)
         return app
 
     def routes(self) -> list[Route]:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ..api import schemas, views
+from ..api.fusion import Fusion
 from ..api.proxy import (
     SANDBOX_NOT_FOUND,
     TRAFFIC_TOKEN_HEADER,
@@ -149,7 +150,7 @@ def gateway_app(scheduler: Scheduler, settings: Settings, api_key: str) -> web.A
     port = settings.gateway_addr.rsplit(":", 1)[1]
     domain = settings.domain or f"localhost:{port}"
     api = GatewayAPI(cluster, domain=domain, limits=schemas.limits(settings), secret=settings.cluster_secret)
-    app = api.app(api_key)
+    app = api.app(api_key, fusion=Fusion.of(settings, settings.gateway_addr))
 
     async def close_client(app: web.Application) -> None:
         await client.close()

@@ -165,7 +165,14 @@ class TemplateBuilds:
         return record.builds[build_id]
 
     def resolve(self, reference: str) -> str | None:
-        """The snapshot a template reference (``name``, ``name:tag``) starts from; None if not ours."""
+        """The snapshot a template reference (``name``, ``name:tag``, ``name:<build id>``) starts
+        from; None if not ours.
+
+        As in E2B, the part after ``:`` is a tag or the ID of a ready build: Harbor starts its
+        sandboxes from ``name:<build id>`` so that a rebuild cannot change a running job. A
+        reference to neither answers E2B's wording, which Harbor reads ("does not exist": the
+        build may still be running in another process, so it waits for it).
+        """
         try:
             name, tag = split_name(reference)
         except StepError:
@@ -176,9 +183,12 @@ class TemplateBuilds:
         build_id = record.tags.get(tag or DEFAULT_TAG)
         if build_id is None and tag is None:
             return None  # the alias (newest ready build) decides
-        if build_id is None or record.builds[build_id].snapshot_id is None:
-            raise BuildNotFound(f"template '{reference}' has no ready build with tag '{tag or DEFAULT_TAG}'")
-        return record.builds[build_id].snapshot_id
+        if build_id is None and tag in record.builds:
+            build_id = tag
+        snapshot_id = record.builds[build_id].snapshot_id if build_id is not None else None
+        if snapshot_id is None:
+            raise BuildNotFound(f"tag '{tag or DEFAULT_TAG}' does not exist for template '{name}'")
+        return snapshot_id
 
     # -- requests --------------------------------------------------------------------------
 
