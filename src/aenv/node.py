@@ -3,7 +3,10 @@
 Start-up builds what is missing (guest artifacts, the `base` template), restores the node's
 state (paused sandboxes stay paused; VMs a crash left running are adopted and paused), fills
 the warm pools and listens. SIGTERM or SIGINT pause the running sandboxes (or kill them, by
-configuration) before the process exits, so nothing is lost.
+configuration) before the process exits, so nothing is lost. The stop waits for the object
+store only `stop_timeout` seconds: a pause or snapshot not committed by then stays on this
+node's disk and is committed at its next start, and the process exits without waiting for the
+store calls still in flight.
 """
 
 from __future__ import annotations
@@ -223,7 +226,10 @@ class Node:
         )
         return manifest.id
 
-    async def stop(self) -> None:
+    async def stop(self) -> int:
+        """Stop everything; returns how many store operations were given up (still running)."""
+        if self.orchestrator is not None:
+            self.orchestrator.engine.stop_within(self.settings.stop_timeout)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.housekeeper is not None:
@@ -240,6 +246,7 @@ class Node:
         if self.storage is not None:
             self.storage.heartbeat.stop()
         log.info("node stopped")
+        return self.orchestrator.engine.abandoned if self.orchestrator is not None else 0
 
 
 async def serve(settings: Settings) -> None:
@@ -264,7 +271,12 @@ async def serve(settings: Settings) -> None:
         await stop.wait()
         log.info("stopping: %s running sandboxes", settings.shutdown_action)
     finally:
-        await node.stop()
+        if abandoned := await node.stop():
+            # Their threads would hold the interpreter's exit (asyncio.run joins the executor)
+            # for as long as the store takes to fail; what they did not do, the next start does.
+            log.warning("exiting without %d store operations still in flight", abandoned)
+            logging.shutdown()
+            os._exit(0)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from aenv.snapshot.host import StopDeadline
 from aenv.snapshot.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
 from aenv.snapshot.pending import DELTA, DEVICES, PENDING_MARK, PendingSnapshots
 from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
@@ -29,7 +30,9 @@ def repo(tmp_path: Path) -> SnapshotRepository:
 
 
 def pending_of(repo: SnapshotRepository) -> PendingSnapshots:
-    host = SimpleNamespace(repository=repo, runtime=SimpleNamespace(publish_layers=tuple))
+    host = SimpleNamespace(
+        repository=repo, runtime=SimpleNamespace(publish_layers=tuple), stop=StopDeadline()
+    )
     return PendingSnapshots(host, repo.pending_dir())  # type: ignore[arg-type]
 
 

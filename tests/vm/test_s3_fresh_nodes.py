@@ -15,13 +15,16 @@ takes its FUSE helper and mount along.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from aenv.devnode import DevNode
 from aenv.storage import lazyfs
+from tests.conftest import wait_for
 from tests.storage.seaweed import S3Server, SeaweedFS
 
 SLOTS = (16128, 16256)  # the nodes' network slots, apart from every other node the suite starts
@@ -77,3 +80,44 @@ def test_a_fresh_s3_node_builds_base_and_runs_sandboxes(node_a: DevNode):
 
 def fuse_mounted(home: Path) -> bool:
     return lazyfs._mounted(home / lazyfs.MOUNT_DIR)
+
+
+def test_a_stop_with_the_store_down_is_bounded_and_keeps_the_pause(weed: SeaweedFS, node_a: DevNode):
+    from e2b import Sandbox
+
+    sandbox = Sandbox.create("base", timeout=600, **sdk(node_a))
+    sandbox.files.write("/root/before-stop.txt", "written before the store went away", user="root")
+    qemus, helper = node_a.qemu_pids(), fuse_server(node_a.home)
+    assert qemus and helper is not None and fuse_mounted(node_a.home)
+    weed.stop()
+    started = time.monotonic()
+    try:
+        assert node_a.stop(timeout=60), node_a.log_tail()  # by itself: no SIGKILL needed
+        stopped = time.monotonic() - started
+    finally:
+        weed.start()
+    assert "not committed by the stop deadline" in node_a.log_tail(200)
+    assert not [pid for pid in qemus if Path(f"/proc/{pid}").exists()]
+    assert fuse_server(node_a.home) is None and not fuse_mounted(node_a.home)
+    print(f"\nstop with the store down (stop_timeout 10 s): {stopped:.1f} s")
+
+    node_a.start()  # the store is back: the pause kept on disk is committed, and resumes
+    detail = f"{node_a.url}/sandboxes/{sandbox.sandbox_id}"
+    headers = {"X-API-Key": node_a.key}
+    wait_for(lambda: httpx.get(detail, headers=headers).json().get("durable"), timeout=120)
+    resumed = Sandbox.connect(sandbox.sandbox_id, timeout=300, **sdk(node_a))
+    assert resumed.files.read("/root/before-stop.txt", user="root") == "written before the store went away"
+    resumed.kill()
+
+
+def test_a_killed_node_takes_its_fuse_server_and_mount_along(node_a: DevNode):
+    helper = fuse_server(node_a.home)
+    assert helper is not None and fuse_mounted(node_a.home)
+    node_a.sigkill()
+    wait_for(lambda: fuse_server(node_a.home) is None and not fuse_mounted(node_a.home), timeout=30)
+    node_a.start()  # mounts again, with a server of its own
+    assert fuse_mounted(node_a.home) and fuse_server(node_a.home) not in (None, helper)
+
+
+def fuse_server(home: Path) -> int | None:
+    return lazyfs.server_pid(home / lazyfs.STATE_DIR)

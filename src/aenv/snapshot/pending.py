@@ -211,8 +211,10 @@ class PendingSnapshots:
         return not entry.committed
 
     async def close(self) -> None:
-        """Let the commits in progress finish (a node stopping cleanly leaves nothing pending)."""
-        await asyncio.gather(*(e.task for e in self._entries.values() if e.task), return_exceptions=True)
+        """Let the commits in progress finish, until the stop deadline (`StopDeadline.settle`): those
+        left are finished at the next start (`recover`) if their pages were flushed."""
+        if left := await self.host.stop.settle(e.task for e in list(self._entries.values())):
+            log.warning("%d snapshots not committed by the stop deadline: left to the next start", left)
 
     def recover(self) -> int:
         """At start: finish the commits a previous node process left; returns how many."""

@@ -154,7 +154,7 @@ class WarmVMs:
         await warm.network.aclose()
         self.host.layers.remove(warm.top_layer)
         await asyncio.to_thread(shutil.rmtree, warm.workdir, ignore_errors=True)
-        self.host.repository.release(warm.snapshot_id, warm.entry_id)
+        await self.host.stop.release(self.host.repository, warm.snapshot_id, warm.entry_id)
 
     async def claim(
         self,
