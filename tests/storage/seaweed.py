@@ -103,8 +103,15 @@ class SeaweedFS:
             raise
         return self.server
 
+    def freeze(self, frozen: bool = True) -> None:
+        """Make the store stop answering (its connections accepted, never answered: what makes a
+        client wait out its timeouts and retries), or answer again."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is not None:
+            self.freeze(False)
             stop(self.process)
             self.process = None
 

@@ -8,7 +8,7 @@ Node B, also fresh, finds that `base` in the bucket. A snapshot made on A is usa
 once, its background commit still running: B waits for it, told by the pending marker A
 wrote before it answered; a marker whose node does not commit in time makes B answer 503
 `snapshot_pending` naming that node, and a stale one is removed (404). Last, A stops while its
-store is down: it exits within its stop bound, its QEMUs and its FUSE helper gone, the pause
+store does not answer: it exits within its stop bound, its QEMUs and its FUSE helper gone, the pause
 kept on its disk and committed once A starts again with the store back; a SIGKILL of a node
 takes its FUSE helper and mount along.
 """
@@ -23,11 +23,14 @@ import httpx
 import pytest
 
 from aenv.devnode import DevNode
+from aenv.snapshot.manifest import new_snapshot_id
+from aenv.snapshot.repository import PendingMark
 from aenv.storage import lazyfs
 from tests.conftest import wait_for
 from tests.storage.seaweed import S3Server, SeaweedFS
 
 SLOTS = (16128, 16256)  # the nodes' network slots, apart from every other node the suite starts
+PENDING_WAIT = 15  # seconds node B waits for a snapshot another node is committing
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +51,15 @@ def node_settings(server: S3Server, bucket: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def node_a(weed: SeaweedFS, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevNode]:
+def bucket(weed: SeaweedFS) -> str:
+    return weed.server.new_bucket()
+
+
+@pytest.fixture(scope="module")
+def node_a(weed: SeaweedFS, bucket: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevNode]:
     """A fresh home (no seed): the node builds `base` into the bucket at its first start."""
-    bucket = weed.server.new_bucket()
     node = DevNode(tmp_path_factory.mktemp("fresh") / "a", slot_first=SLOTS[0], slot_count=64,
                    warm_pool_size=1, stop_timeout=10, **node_settings(weed.server, bucket))  # fmt: skip
-    node.bucket = bucket  # type: ignore[attr-defined]
     try:
         node.start()
         yield node
@@ -82,24 +88,99 @@ def fuse_mounted(home: Path) -> bool:
     return lazyfs._mounted(home / lazyfs.MOUNT_DIR)
 
 
-def test_a_stop_with_the_store_down_is_bounded_and_keeps_the_pause(weed: SeaweedFS, node_a: DevNode):
+@pytest.fixture(scope="module")
+def node_b(weed: SeaweedFS, bucket: str, node_a: DevNode) -> Iterator[DevNode]:
+    """Another fresh home on A's bucket: it finds `base` there (no build, no seed)."""
+    node = DevNode(node_a.home.parent / "b", slot_first=SLOTS[1], slot_count=64, warm_pool_size=0,
+                   pending_wait=PENDING_WAIT, **node_settings(weed.server, bucket))  # fmt: skip
+    try:
+        node.start()
+        yield node
+    finally:
+        node.cleanup()
+
+
+def test_a_snapshot_made_on_a_is_usable_on_b_at_once(
+    weed: SeaweedFS, bucket: str, node_a: DevNode, node_b: DevNode
+):
+    """B learns from A's pending mark that the snapshot is coming and waits for its commit (a
+    100 MiB delta to hash and upload), where it answered 404 before (issue 32)."""
+    from e2b import Sandbox
+
+    source = Sandbox.create("base", timeout=600, **sdk(node_a))
+    source.files.write("/root/made-on-a.txt", "written on A before the snapshot", user="root")
+    source.commands.run("head -c 100M /dev/urandom > /dev/shm/noise", user="root", timeout=300)
+    made = httpx.post(f"{node_a.url}/sandboxes/{source.sandbox_id}/snapshots", json={},
+                      headers={"X-API-Key": node_a.key}, timeout=120)  # fmt: skip
+    assert made.status_code == 201, made.text
+    snapshot_id = made.json()["snapshotID"]
+    marked = mark(weed, bucket, snapshot_id) is not None  # gone already if the commit was quick
+    copy = Sandbox.create(snapshot_id, timeout=600, **sdk(node_b))
+    assert copy.files.read("/root/made-on-a.txt", user="root") == "written on A before the snapshot"
+    assert mark(weed, bucket, snapshot_id) is None  # the commit ended: its mark went
+    print(f"\nsnapshot answered on A (durable {made.json().get('durable')}), still marked pending when"
+          f" B was asked: {marked}")  # fmt: skip
+    copy.kill()
+    source.kill()
+
+
+def test_a_pending_mark_is_waited_for_then_answered_503_and_a_stale_one_removed(
+    weed: SeaweedFS, bucket: str, node_a: DevNode, node_b: DevNode
+):
+    """Marks written as a node writes them: A's (alive: B waits, then 503 naming A), one of a
+    node that never beat (stale: removed, 404) and one of a failed commit (404 saying why)."""
+    headers = {"X-API-Key": node_b.key}
+    node = (node_a.home / "node-id").read_text().strip()
+    pending, ghost, failed = new_snapshot_id(), new_snapshot_id(), new_snapshot_id()
+    put_mark(weed, bucket, pending, node)
+    put_mark(weed, bucket, ghost, "a-node-that-never-beat")
+    put_mark(weed, bucket, failed, node, failure="snapshot x failed and was rolled back: disk full")
+
+    waited = httpx.get(f"{node_b.url}/snapshots/{pending}", headers=headers, timeout=PENDING_WAIT + 60)
+    assert waited.status_code == 503 and waited.json()["error_code"] == "snapshot_pending", waited.text
+    assert node in waited.json()["message"]
+    created = httpx.post(f"{node_b.url}/sandboxes", json={"templateID": pending}, headers=headers,
+                         timeout=PENDING_WAIT + 60)  # fmt: skip
+    assert created.status_code == 503 and created.json()["error_code"] == "snapshot_pending", created.text
+
+    stale = httpx.get(f"{node_b.url}/snapshots/{ghost}", headers=headers, timeout=60)
+    assert stale.status_code == 404 and mark(weed, bucket, ghost) is None
+    gone = httpx.get(f"{node_b.url}/snapshots/{failed}", headers=headers, timeout=60)
+    assert gone.status_code == 404 and "disk full" in gone.json()["message"]
+
+
+def mark(weed: SeaweedFS, bucket: str, name: str) -> bytes | None:
+    """The pending mark of a snapshot in the bucket, as the nodes write it (None: none)."""
+    client = weed.server.client()
+    try:
+        return client.get_object(Bucket=bucket, Key=f"fresh/pending/{name}")["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+def put_mark(weed: SeaweedFS, bucket: str, snapshot_id: str, node: str, failure: str | None = None) -> None:
+    body = PendingMark(snapshot_id, node, failure, stale=False).to_json()
+    weed.server.client().put_object(Bucket=bucket, Key=f"fresh/pending/{snapshot_id}", Body=body)
+
+
+def test_a_stop_with_the_store_unanswering_is_bounded_and_keeps_the_pause(weed: SeaweedFS, node_a: DevNode):
     from e2b import Sandbox
 
     sandbox = Sandbox.create("base", timeout=600, **sdk(node_a))
     sandbox.files.write("/root/before-stop.txt", "written before the store went away", user="root")
     qemus, helper = node_a.qemu_pids(), fuse_server(node_a.home)
     assert qemus and helper is not None and fuse_mounted(node_a.home)
-    weed.stop()
+    weed.freeze()  # the store stops answering: every call to it waits out its timeouts and retries
     started = time.monotonic()
     try:
         assert node_a.stop(timeout=60), node_a.log_tail()  # by itself: no SIGKILL needed
         stopped = time.monotonic() - started
     finally:
-        weed.start()
-    assert "not committed by the stop deadline" in node_a.log_tail(200)
+        weed.freeze(False)
+    assert "pauses not committed by the stop deadline" in node_a.log_tail(200)
     assert not [pid for pid in qemus if Path(f"/proc/{pid}").exists()]
     assert fuse_server(node_a.home) is None and not fuse_mounted(node_a.home)
-    print(f"\nstop with the store down (stop_timeout 10 s): {stopped:.1f} s")
+    print(f"\nstop with the store not answering (stop_timeout 10 s): {stopped:.1f} s")
 
     node_a.start()  # the store is back: the pause kept on disk is committed, and resumes
     detail = f"{node_a.url}/sandboxes/{sandbox.sandbox_id}"

@@ -308,6 +308,8 @@ class Lifecycle:
             state.save(host.workdir(state.sandbox_id))
             chain = state.disk_layers[:-1]
             draft = self._snapshot_manifest(snapshot_id, sandbox, memory, chain, alias, metadata)
+            if not wait:  # answered before its commit: the other nodes learn it is coming
+                await self.pending.announce(draft)
             self.pending.add(draft, directory)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
