@@ -139,7 +139,7 @@ class WarmVMs:
             if top is not None:
                 host.layers.remove(top)
             shutil.rmtree(workdir, ignore_errors=True)
-            host.repository.release(snapshot_id, entry_id)
+            await host.stop.release(host.repository, snapshot_id, entry_id)  # cancelled by a stop, too
             raise
         return WarmVM(entry_id, manifest.id, vm, network, envd, top, workdir, token)
 
