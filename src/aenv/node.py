@@ -52,6 +52,7 @@ log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
 IO_THREADS = 64
+STOP_GRACE = 5.0  # seconds past the stop deadline for pauses that wait on the store through a VM's reads
 # What QEMU reads under the home besides layers and the repository: VM directories (streams),
 # warm VMs, the s3 runtime cache.
 VMM_READABLE = ("sandboxes", "runtime", "cache")
@@ -226,6 +227,27 @@ class Node:
         )
         return manifest.id
 
+    async def _close_orchestrator(self, orchestrator: Orchestrator) -> bool:
+        """Pause (or kill) the sandboxes within the stop's bound; whether that was given up.
+
+        A VM reading a disk block loaded on demand that the store does not serve cannot stop
+        (QEMU drains its pending reads first), and the FUSE server retries the store for minutes:
+        `STOP_GRACE` after the deadline the server goes, so those reads fail (the guest sees an
+        I/O error) and the pauses finish. A stop still not done `STOP_GRACE` later is given up.
+        """
+        closing = asyncio.ensure_future(orchestrator.close())
+        done, _ = await asyncio.wait({closing}, timeout=self.settings.stop_timeout + STOP_GRACE)
+        lazy = self.storage.lazy if self.storage is not None else None
+        if not done and lazy is not None:
+            log.warning("sandboxes still stopping past the stop deadline: ending on-demand loading")
+            await asyncio.to_thread(lazy.stop)
+            done, _ = await asyncio.wait({closing}, timeout=STOP_GRACE)
+        if done:
+            closing.result()
+            return False
+        log.error("sandboxes still stopping: exiting; those not paused are adopted at the next start")
+        return True
+
     async def stop(self) -> int:
         """Stop everything; returns how many store operations were given up (still running)."""
         if self.orchestrator is not None:
@@ -234,8 +256,7 @@ class Node:
             await self.runner.cleanup()
         if self.housekeeper is not None:
             await self.housekeeper.close()
-        if self.orchestrator is not None:
-            await self.orchestrator.close()
+        given_up = self.orchestrator is not None and await self._close_orchestrator(self.orchestrator)
         if self.membership is not None:  # after the orchestrator: its sandboxes are paused now
             await self.membership.close()
         if self.networks is not None:
@@ -246,7 +267,7 @@ class Node:
         if self.storage is not None:
             self.storage.heartbeat.stop()
         log.info("node stopped")
-        return self.orchestrator.engine.abandoned if self.orchestrator is not None else 0
+        return (self.orchestrator.engine.abandoned if self.orchestrator is not None else 0) + given_up
 
 
 async def serve(settings: Settings) -> None:
