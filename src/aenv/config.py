@@ -50,8 +50,9 @@ class Settings:
     park_seconds: float = 300.0
     park_max: int = 128
     shutdown_action: str = "pause"  # what SIGTERM does to running sandboxes: pause or kill
-    # Seconds a stop waits for the object store (commits of pauses and snapshots, lease releases)
-    # once its sandboxes are paused; what is not committed by then stays on disk for the next start.
+    # Seconds a stop waits for the object store (commits of pauses and snapshots, lease releases;
+    # aenv.node.STOP_GRACE more for pauses held up by reads of it): what is not committed by then
+    # stays on disk for the next start.
     stop_timeout: float = 15.0
     # This node's share of the sandbox network slots (see aenv.network.slots); nodes sharing a
     # host need disjoint ranges, and a node only ever cleans up namespaces of its own range.
