@@ -1,12 +1,12 @@
 """Nodes on one S3 store (a real SeaweedFS) started from fresh, unseeded homes (issue 32).
 
 Every other test's node home is seeded with a `base` built earlier in the run; these nodes are
-not, and that is what they test. Node A builds `base` itself into the bucket (minutes under
-TCG): its memory image becomes a runtime cache entry by hardlink, which its unprivileged QEMUs
+not, and that is what they test. Node A builds `base` itself into the bucket (about 20 s under
+TCG here): its memory image becomes a runtime cache entry by hardlink, which its unprivileged QEMUs
 must be able to open (a warm VM, a create, a pause and a resume through the official SDK).
 Node B, also fresh, finds that `base` in the bucket. A snapshot made on A is usable on B at
-once, its background commit still running: B waits for it, told by the pending marker A
-wrote before it answered; a marker whose node does not commit in time makes B answer 503
+once, its background commit still running: B waits for it, told by the pending mark A wrote
+before it answered; a mark whose node does not commit in time makes B answer 503
 `snapshot_pending` naming that node, and a stale one is removed (404). Last, A stops while its
 store does not answer: it exits within its stop bound, its QEMUs and its FUSE helper gone, the pause
 kept on its disk and committed once A starts again with the store back; a SIGKILL of a node
