@@ -50,6 +50,10 @@ class Settings:
     park_seconds: float = 300.0
     park_max: int = 128
     shutdown_action: str = "pause"  # what SIGTERM does to running sandboxes: pause or kill
+    # Seconds a stop waits for the object store (commits of pauses and snapshots, lease releases;
+    # aenv.node.STOP_GRACE more for pauses held up by reads of it): what is not committed by then
+    # stays on disk for the next start.
+    stop_timeout: float = 15.0
     # This node's share of the sandbox network slots (see aenv.network.slots); nodes sharing a
     # host need disjoint ranges, and a node only ever cleans up namespaces of its own range.
     slot_first: int = 0
@@ -100,6 +104,9 @@ class Settings:
     p2p: bool = False
     p2p_peers: str = ""
     lease_ttl: float = 600.0  # a node silent this long is dead to the others: its leases expire
+    # A snapshot another node answered but has not committed yet: waited for this many seconds
+    # before a 503 `snapshot_pending` (aenv.snapshot.pending).
+    pending_wait: float = 30.0
     template_builds: int = 2  # user template builds running at once, each in its own VM
     # The cluster (aenv.cluster): a node joins when scheduler_url is set and advertises node_addr
     # (a base URL; empty: http://<api_addr>). cluster_secret is what nodes, gateways and the
@@ -172,6 +179,8 @@ class Settings:
         for name in ("warm_pool_size", "park_seconds", "park_max", "gc_interval", "disk_reserve_mib"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
+        if self.stop_timeout < 0 or self.pending_wait < 0:
+            problems.append("stop_timeout and pending_wait must not be negative")
         if self.lease_ttl <= 0 or self.tombstone_ttl <= 0:
             problems.append("lease_ttl and tombstone_ttl must be positive")
         if problems:

@@ -258,7 +258,7 @@ class DevNode:
         deadline = time.monotonic() + 20
         while self.qemu_pids() and time.monotonic() < deadline:
             time.sleep(0.1)
-        lazyfs.stop_at(self.home)  # outlives the node on purpose; nothing reads it any more
+        lazyfs.stop_at(self.home)  # ends with its node; this also removes one a test left
         if forced or not keep_home:
             for name in self.owned_netns():
                 subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)

@@ -3,7 +3,10 @@
 Start-up builds what is missing (guest artifacts, the `base` template), restores the node's
 state (paused sandboxes stay paused; VMs a crash left running are adopted and paused), fills
 the warm pools and listens. SIGTERM or SIGINT pause the running sandboxes (or kill them, by
-configuration) before the process exits, so nothing is lost.
+configuration) before the process exits, so nothing is lost. The stop waits for the object
+store only `stop_timeout` seconds: a pause or snapshot not committed by then stays on this
+node's disk and is committed at its next start, and the process exits without waiting for the
+store calls still in flight.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ log = logging.getLogger("aenv.node")
 
 BASE_TEMPLATE = "base"
 IO_THREADS = 64
+STOP_GRACE = 5.0  # seconds past the stop deadline for pauses that wait on the store through a VM's reads
 # What QEMU reads under the home besides layers and the repository: VM directories (streams),
 # warm VMs, the s3 runtime cache.
 VMM_READABLE = ("sandboxes", "runtime", "cache")
@@ -234,13 +238,36 @@ class Node:
         )
         return manifest.id
 
-    async def stop(self) -> None:
+    async def _close_orchestrator(self, orchestrator: Orchestrator) -> bool:
+        """Pause (or kill) the sandboxes within the stop's bound; whether that was given up.
+
+        A VM reading a disk block loaded on demand that the store does not serve cannot stop
+        (QEMU drains its pending reads first), and the FUSE server retries the store for minutes:
+        `STOP_GRACE` after the deadline the server goes, so those reads fail (the guest sees an
+        I/O error) and the pauses finish. A stop still not done `STOP_GRACE` later is given up.
+        """
+        closing = asyncio.ensure_future(orchestrator.close())
+        done, _ = await asyncio.wait({closing}, timeout=self.settings.stop_timeout + STOP_GRACE)
+        lazy = self.storage.lazy if self.storage is not None else None
+        if not done and lazy is not None:
+            log.warning("sandboxes still stopping past the stop deadline: ending on-demand loading")
+            await asyncio.to_thread(lazy.stop)
+            done, _ = await asyncio.wait({closing}, timeout=STOP_GRACE)
+        if done:
+            closing.result()
+            return False
+        log.error("sandboxes still stopping: exiting; those not paused are adopted at the next start")
+        return True
+
+    async def stop(self) -> int:
+        """Stop everything; returns how many store operations were given up (still running)."""
+        if self.orchestrator is not None:
+            self.orchestrator.engine.stop_within(self.settings.stop_timeout)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.housekeeper is not None:
             await self.housekeeper.close()
-        if self.orchestrator is not None:
-            await self.orchestrator.close()
+        given_up = self.orchestrator is not None and await self._close_orchestrator(self.orchestrator)
         if self.membership is not None:  # after the orchestrator: its sandboxes are paused now
             await self.membership.close()
         if self.networks is not None:
@@ -251,6 +278,7 @@ class Node:
         if self.storage is not None:
             self.storage.heartbeat.stop()
         log.info("node stopped")
+        return (self.orchestrator.engine.abandoned if self.orchestrator is not None else 0) + given_up
 
 
 async def serve(settings: Settings) -> None:
@@ -275,7 +303,12 @@ async def serve(settings: Settings) -> None:
         await stop.wait()
         log.info("stopping: %s running sandboxes", settings.shutdown_action)
     finally:
-        await node.stop()
+        if abandoned := await node.stop():
+            # Their threads would hold the interpreter's exit (asyncio.run joins the executor)
+            # for as long as the store takes to fail; what they did not do, the next start does.
+            log.warning("exiting without %d store operations still in flight", abandoned)
+            logging.shutdown()
+            os._exit(0)
 
 
 def main() -> None:

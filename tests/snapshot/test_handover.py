@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from aenv.snapshot.handover import Handover, PauseReclaimed, SandboxMoved, pause_alias
+from aenv.snapshot.host import StopDeadline
 from aenv.snapshot.manifest import SnapshotManifest
 from aenv.snapshot.model import SandboxState
 from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
@@ -28,7 +29,7 @@ def paused_on(repo: SnapshotRepository, work: Path) -> tuple[Handover, SandboxSt
         (work / name).write_bytes(name.encode())
     host = SimpleNamespace(
         repository=repo, runtime=SimpleNamespace(publish_layers=tuple), workdir=lambda _: work,
-        load_state=lambda _: SandboxState.load(work),
+        load_state=lambda _: SandboxState.load(work), stop=StopDeadline(),
     )  # fmt: skip
     origin, _ = captured(repo, pending_of(repo))
     state = SandboxState(
@@ -76,7 +77,10 @@ def test_a_take_over_tells_a_pause_its_own_node_took_back_from_one_another_node_
     that), the sandbox is not another node's: it was lost with its node."""
     repo = SnapshotRepository(tmp_path / "repo", grace_seconds=0, node="node-a")
     handover, state, origin = paused_on(repo, tmp_path / "sandbox")
-    node_b = Handover(SimpleNamespace(repository=SnapshotRepository(repo.root, node="node-b")), enabled=True)  # type: ignore[arg-type]
+    node_b = Handover(
+        SimpleNamespace(repository=SnapshotRepository(repo.root, node="node-b"), stop=StopDeadline()),
+        enabled=True,
+    )  # type: ignore[arg-type]
 
     async def main() -> None:
         handover.paused(state, origin)

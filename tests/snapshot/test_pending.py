@@ -14,8 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from aenv.snapshot.host import StopDeadline
 from aenv.snapshot.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
-from aenv.snapshot.pending import DELTA, DEVICES, PENDING_MARK, PendingSnapshots
+from aenv.snapshot.pending import DELTA, DEVICES, PENDING_MARK, PendingSnapshots, SnapshotPending
 from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 
 
@@ -29,7 +30,9 @@ def repo(tmp_path: Path) -> SnapshotRepository:
 
 
 def pending_of(repo: SnapshotRepository) -> PendingSnapshots:
-    host = SimpleNamespace(repository=repo, runtime=SimpleNamespace(publish_layers=tuple))
+    host = SimpleNamespace(
+        repository=repo, runtime=SimpleNamespace(publish_layers=tuple), stop=StopDeadline()
+    )
     return PendingSnapshots(host, repo.pending_dir())  # type: ignore[arg-type]
 
 
@@ -141,3 +144,32 @@ def test_a_failed_commit_is_rolled_back_and_explained(repo: SnapshotRepository, 
         assert reason is not None and "rolled back" in reason and "repository read-only" in reason
     with pytest.raises(SnapshotNotFound):
         repo.get(manifest.id)
+
+
+def test_another_node_waits_for_an_announced_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Node B finds node A's mark: it waits for A's commit and gets the snapshot; a mark whose
+    commit does not come in time is a `SnapshotPending` naming A; a failed commit says why."""
+    a_repo = SnapshotRepository(tmp_path / "repo", node="node-a")
+    b_repo = SnapshotRepository(tmp_path / "repo", node="node-b")
+    a, b = pending_of(a_repo), pending_of(b_repo)
+    a_repo.heartbeat()
+
+    async def main() -> None:
+        draft, directory = captured(a_repo, a, alias="shared")
+        await a.announce(draft)
+        with pytest.raises(SnapshotPending, match="node-a"):
+            await b.elsewhere(draft.id, wait=0.3)
+        a.add(draft, directory)
+        found = await b.elsewhere("shared", wait=30)
+        assert found is not None and found.id == draft.id
+        await asyncio.sleep(0.1)  # the mark goes right after the commit
+        assert b_repo.pending_mark(draft.id) is None and await b.elsewhere(new_snapshot_id(), 1) is None
+
+        failing, directory = captured(a_repo, a)
+        await a.announce(failing)
+        monkeypatch.setattr(a_repo, "commit", lambda manifest: (_ for _ in ()).throw(OSError("disk full")))
+        a.add(failing, directory)
+        with pytest.raises(SnapshotNotFound, match="disk full"):
+            await b.elsewhere(failing.id, wait=30)
+
+    asyncio.run(main())

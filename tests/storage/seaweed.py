@@ -58,41 +58,72 @@ class S3Server:
         return name
 
 
+class SeaweedFS:
+    """`weed server -s3` on fixed ports and one data directory: stopped and started again, it
+    serves the same buckets at the same endpoint (a store that goes away and comes back)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        access, secret = "AK" + secrets.token_hex(8).upper(), secrets.token_hex(20)
+        identities = {
+            "identities": [
+                {
+                    "name": "aenv",
+                    "credentials": [{"accessKey": access, "secretKey": secret}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        (workdir / "data").mkdir(parents=True)
+        config = workdir / "s3.json"
+        config.write_text(json.dumps(identities))
+        ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+        grpc = {name: free_port() for name in ports}
+        self.args = [
+            weed_binary(), "server", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
+            "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-filer.localSocket={workdir / 'filer.sock'}",
+            *(f"-{name}.port={port}" for name, port in ports.items()),
+            *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
+        ]  # fmt: skip
+        self.server = S3Server(f"http://127.0.0.1:{ports['s3']}", access, secret)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> S3Server:
+        """Start the server and wait until a signed request succeeds."""
+        log = self.workdir / "weed.log"
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(args=self.args, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+        try:
+            _wait_ready(self.server, self.process, log)
+        except BaseException:
+            self.stop()
+            raise
+        return self.server
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Make the store stop answering (its connections accepted, never answered: what makes a
+        client wait out its timeouts and retries), or answer again."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.freeze(False)
+            stop(self.process)
+            self.process = None
+
+
 @contextlib.contextmanager
 def seaweedfs(workdir: Path) -> Iterator[S3Server]:
     """`weed server -s3` until the block ends; waits until a signed request succeeds."""
-    access, secret = "AK" + secrets.token_hex(8).upper(), secrets.token_hex(20)
-    identities = {
-        "identities": [
-            {
-                "name": "aenv",
-                "credentials": [{"accessKey": access, "secretKey": secret}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
-        ]
-    }
-    (workdir / "data").mkdir(parents=True)
-    config = workdir / "s3.json"
-    config.write_text(json.dumps(identities))
-    ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
-    grpc = {name: free_port() for name in ports}
-    args = [
-        weed_binary(), "server", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
-        "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-filer.localSocket={workdir / 'filer.sock'}",
-        *(f"-{name}.port={port}" for name, port in ports.items()),
-        *(f"-{name}.port.grpc={port}" for name, port in grpc.items()),
-    ]  # fmt: skip
-    log = open(workdir / "weed.log", "wb")  # noqa: SIM115 - closed below, after the process
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3']}", access, secret)
+    weed = SeaweedFS(workdir)
     try:
-        _wait_ready(server, process, workdir / "weed.log")
-        yield server
+        yield weed.start()
     finally:
-        stop(process)
-        log.close()
+        weed.stop()
 
 
 def stop(process: subprocess.Popen) -> None:

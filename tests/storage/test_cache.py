@@ -101,3 +101,15 @@ def test_a_local_file_is_adopted_without_a_fetch(tmp_path: Path):
     image.unlink()  # stored and removed from staging: the cache keeps the only copy
     assert cache.get("d1", filler(b"downloaded")).read_bytes() == b"built here"
     assert (cache.stats().misses, cache.stats().hits) == (0, 1)
+
+
+def test_an_adopted_file_is_readable_by_every_vmm_uid(tmp_path: Path):
+    """A memory image its builder left owner-only (0600) becomes an entry QEMU can open as an
+    unprivileged VMM uid, as a fetched one is (issue 32: every create answered 500)."""
+    built = tmp_path / "memory.img"
+    built.write_bytes(b"m" * MIB)
+    built.chmod(0o600)
+    cache = BlobCache(tmp_path / "c", 10 * MIB, set)
+    cache.adopt("image", built, owner="snap")
+    cache.get("fetched", filler(b"f"))
+    assert {cache.path(key).stat().st_mode & 0o777 for key in ("image", "fetched")} == {0o444}

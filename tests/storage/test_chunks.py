@@ -192,3 +192,41 @@ def test_the_fuse_server_serves_a_stored_blob_as_a_mapping_reads_it(s3_server: S
     finally:
         mount.stop()
     assert not mount.alive()
+
+
+def test_the_fuse_server_ends_and_unmounts_with_its_node_process(s3_server: S3Server, tmp_path: Path):
+    """A node process killed with SIGKILL takes its FUSE server and mount along; a server left
+    by another process is never attached to (issue 32)."""
+    import subprocess
+    import sys
+
+    from aenv.storage.lazyfs import _mounted
+    from aenv.storage.s3 import S3Location
+
+    location = S3Location(
+        bucket=s3_server.new_bucket(), prefix="p", endpoint=s3_server.endpoint, region=s3_server.region,
+        access_key=s3_server.access_key, secret_key=s3_server.secret_key,
+    )  # fmt: skip
+    home = tmp_path / "home"
+    node = (
+        "import sys, dataclasses; from pathlib import Path; from aenv.storage.lazyfs import LazyMount;"
+        "from aenv.storage.s3 import S3Location; home = Path(sys.argv[1]);"
+        "LazyMount.for_home(home, home / 'cache', S3Location(bucket=sys.argv[2], prefix='p',"
+        " endpoint=sys.argv[3], access_key=sys.argv[4], secret_key=sys.argv[5])).ensure();"
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    args = [sys.executable, "-c", node, str(home), location.bucket, s3_server.endpoint,
+            s3_server.access_key, s3_server.secret_key]  # fmt: skip
+    process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    mount = LazyMount.for_home(home, home / "cache", location)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        server = server_pid(mount.state)
+        assert server is not None and _mounted(mount.mountpoint)
+        assert not mount.alive()  # another process's server: never attached to
+        process.kill()
+        process.wait()
+        wait_for(lambda: server_pid(mount.state) is None and not _mounted(mount.mountpoint), timeout=20)
+    finally:
+        process.kill()
+        mount.stop()

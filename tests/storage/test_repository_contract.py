@@ -144,6 +144,29 @@ def test_one_node_claims_a_snapshot_and_the_claim_goes_with_it(open_repo):
     assert winner.claimant(manifest.id) is None
 
 
+def test_a_pending_mark_is_seen_by_id_and_alias_on_every_node_until_it_goes_stale(open_repo):
+    a, b = open_repo("node-a", lease_ttl=2.0), open_repo("node-b", lease_ttl=2.0)
+    a.heartbeat()
+    snapshot_id = new_snapshot_id()
+    a.mark_pending(snapshot_id, "coming")
+    for name in (snapshot_id, "coming"):
+        mark = b.pending_mark(name)
+        assert mark is not None and (mark.snapshot_id, mark.node, mark.failure, mark.stale) == (
+            snapshot_id, "node-a", None, False,
+        )  # fmt: skip
+    a.mark_pending(snapshot_id, "coming", failure="committing it failed (disk full)")
+    assert b.pending_mark("coming").failure == "committing it failed (disk full)"
+    a.unmark_pending(snapshot_id, "coming")
+    assert b.pending_mark(snapshot_id) is None and b.pending_mark("coming") is None
+    assert b.pending_mark("Not A Name") is None
+    a.mark_pending(snapshot_id)
+    time.sleep(3.5)  # node-a stops heartbeating: it died, and its commit never comes
+    assert b.pending_mark(snapshot_id).stale
+    b.heartbeat()
+    b.gc()
+    assert a.pending_mark(snapshot_id) is None
+
+
 def test_aliases_bind_once_across_nodes(open_repo):
     a, b = open_repo("node-a"), open_repo("node-b")
     first = committed(a, "one", alias="app")

@@ -14,6 +14,7 @@ NOT_SHARED = "repository_not_shared"
 # its own node claimed it back. That node resumed or ended the sandbox after it last reported
 # the pause durable, so a gateway that finds this node down knows the sandbox was lost with it.
 PAUSE_GONE = "pause_gone"
+SNAPSHOT_PENDING = "snapshot_pending"  # another node answered the snapshot and is still committing it
 
 
 class SandboxError(Exception):

@@ -187,8 +187,10 @@ class LocalNode:
         try:
             manifest = manifest or self._engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, InvalidName):
+            manifest = await self.orchestrator.committed_elsewhere(catalog_name(reference))
+        if manifest is None:
             failure = self._engine.pending.failure(catalog_name(reference))  # answered, then failed
-            raise NotFound(failure or f"'{reference}' not found") from None
+            raise NotFound(failure or f"'{reference}' not found")
         if PAUSE_MARK in manifest.metadata:
             raise NotFound(f"'{reference}' not found")
         if kind is not None and manifest.kind != kind:

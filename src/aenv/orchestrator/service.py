@@ -30,6 +30,7 @@ from ..network.netns import SandboxNetwork
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
 from ..snapshot.handover import PauseReclaimed, SandboxMoved
 from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.pending import SnapshotPending
 from ..snapshot.repository import (
     AliasConflict,
     InvalidName,
@@ -42,6 +43,7 @@ from .admission import Admission, meminfo_mib
 from .errors import (
     NOT_SHARED,
     PAUSE_GONE,
+    SNAPSHOT_PENDING,
     Conflict,
     InvalidRequest,
     NotFound,
@@ -341,20 +343,32 @@ class Orchestrator:
             s.id for s in self.sandboxes.values() if any(m["name"] == name for m in s.record.volume_mounts)
         ]
 
-    def resolve_template(self, reference: str) -> SnapshotManifest:
+    async def resolve_template(self, reference: str) -> SnapshotManifest:
         """A template or snapshot by id or alias; `namespace/` prefixes and `:tag` suffixes are ignored."""
         if (pending := self.engine.pending.get(catalog_name(reference))) is not None:
             return pending  # this node's, being committed: a start waits for the commit
         try:
             return self.engine.repository.get(catalog_name(reference))
         except (SnapshotNotFound, RepositoryError):
+            if (found := await self.committed_elsewhere(catalog_name(reference))) is not None:
+                return found
             failure = self.engine.pending.failure(catalog_name(reference))
             raise NotFound(failure or f"template '{reference}' not found") from None
+
+    async def committed_elsewhere(self, name: str) -> SnapshotManifest | None:
+        """A snapshot another node answered, once committed (`PendingSnapshots.elsewhere`); None
+        if no node is committing it."""
+        try:
+            return await self.engine.pending.elsewhere(name, self.settings.pending_wait)
+        except SnapshotPending as exc:
+            raise Unavailable(str(exc), SNAPSHOT_PENDING) from None
+        except SnapshotNotFound as exc:  # its commit failed: why
+            raise NotFound(str(exc)) from None
 
     # -- create ----------------------------------------------------------------------------
 
     async def create(self, request: CreateRequest) -> Sandbox:
-        manifest = self.resolve_template(request.template)
+        manifest = await self.resolve_template(request.template)
         policy = egress_policy(request.allow_internet, request.network)
         timeout = self.settings.default_timeout if request.timeout is None else request.timeout
         self._check_timeout(timeout)

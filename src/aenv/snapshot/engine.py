@@ -98,6 +98,15 @@ class SnapshotEngine:
         )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
 
+    def stop_within(self, seconds: float) -> None:
+        """The node stops: from now on its waits for the store end `seconds` from now (`StopDeadline`)."""
+        self.host.stop.start(seconds)
+
+    @property
+    def abandoned(self) -> int:
+        """Store operations a stop gave up waiting for (their threads may still run)."""
+        return self.host.stop.abandoned
+
     async def close(self) -> None:
         """End the warm VMs and parked processes; running sandboxes are left to the caller.
 

@@ -124,8 +124,11 @@ class Handover:
             del self._uploads[sandbox_id]
 
     async def close(self) -> None:
-        """Let running uploads finish (a node stopping cleanly leaves its pauses durable)."""
-        await asyncio.gather(*(u.task for u in self._uploads.values() if u.task), return_exceptions=True)
+        """Let running uploads finish, until the stop deadline (`StopDeadline.settle`): a node stopping
+        with its store reachable leaves its pauses durable; the others stay on its disk and are
+        committed at its next start (`recover`)."""
+        if left := await self.host.stop.settle(u.task for u in list(self._uploads.values())):
+            log.warning("%d pauses not committed by the stop deadline: committed at the next start", left)
 
     def recover(self, state: SandboxState) -> None:
         """After a restart: commit a pause the previous node process had not committed yet."""

@@ -4,12 +4,20 @@ Template building, the sandbox lifecycle and recovery each get one `Host` instea
 into each other: the repository (durable truth), the runtime resolver (local files for QEMU),
 the node's disk layers, accelerator and network pool, and the `sandboxes/` directory where
 every sandbox keeps its saved state and serial log.
+
+A stopping node waits for its object store only until its stop deadline (`StopDeadline`): with the
+store unreachable, boto's retries made one stop outlast its supervisor's 30 s (issue 32), whose
+SIGKILL then left the node's QEMUs running. What is not committed by the deadline stays on this
+node's disk and is committed at its next start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +30,45 @@ from ..vmm.accel import Accelerator
 from ..vmm.machine import MACHINE_TYPE, QEMU_BINARY, SERIAL_LOG
 from .manifest import MachineShape, SnapshotManifest
 from .model import STATE_FILE, EngineError, SandboxState
+
+log = logging.getLogger(__name__)
+
+
+class StopDeadline:
+    """How long a stopping node still waits for its object store (forever until it stops)."""
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None  # time.monotonic(), once stopping
+        self.abandoned = 0  # store operations the stop did not wait for (their threads may run)
+
+    def start(self, seconds: float) -> None:
+        """The node stops: waits for the store from now on end `seconds` from now."""
+        self.deadline = time.monotonic() + seconds
+
+    def _remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    async def settle(self, tasks: Iterable[asyncio.Task[None] | None]) -> int:
+        """Wait for background work on the store (commits); once stopping, only until the
+        deadline. Returns how many are still running (left to the next start)."""
+        running = [task for task in tasks if task is not None and not task.done()]
+        if not running:
+            return 0
+        _, left = await asyncio.wait(running, timeout=self._remaining())
+        self.abandoned += len(left)
+        return len(left)
+
+    async def release(self, repository: Repository, snapshot_id: str, holder: str) -> None:
+        """Release a lease; once stopping, given up at the deadline or on failure (the lease then
+        expires with this node's heartbeat)."""
+        call = asyncio.to_thread(repository.release, snapshot_id, holder)
+        if self.deadline is None:
+            return await call
+        try:
+            await asyncio.wait_for(call, self._remaining())
+        except Exception as exc:  # TimeoutError too: the thread goes on, the process does not wait
+            self.abandoned += 1
+            log.warning("lease of %s on %s not released while stopping: %r", holder, snapshot_id, exc)
 
 
 @dataclass
@@ -37,6 +84,7 @@ class Host:
     networks: NetworkPool | None = None
     incoming_timeout: float = 60.0
     _qemu_version: str | None = field(default=None, init=False, repr=False)
+    stop: StopDeadline = field(default_factory=lambda: StopDeadline(), init=False)
 
     # -- machine identity ------------------------------------------------------------------
 

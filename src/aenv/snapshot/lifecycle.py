@@ -253,7 +253,7 @@ class Lifecycle:
         # A paused sandbox has no network: the name it had may belong to another sandbox by now.
         host.layers.remove(state.disk_layers[-1])
         await asyncio.to_thread(shutil.rmtree, host.workdir(state.sandbox_id), ignore_errors=True)
-        host.repository.release(state.snapshot_id, state.sandbox_id)
+        await host.stop.release(host.repository, state.snapshot_id, state.sandbox_id)
         await self.handover.retire(state, pause)
 
     async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
@@ -308,6 +308,8 @@ class Lifecycle:
             state.save(host.workdir(state.sandbox_id))
             chain = state.disk_layers[:-1]
             draft = self._snapshot_manifest(snapshot_id, sandbox, memory, chain, alias, metadata)
+            if not wait:  # answered before its commit: the other nodes learn it is coming
+                await self.pending.announce(draft)
             self.pending.add(draft, directory)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)

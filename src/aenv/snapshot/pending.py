@@ -7,9 +7,15 @@ publishing the sealed disk layers (s3) and committing the manifest. Here that ru
 background, and the manifest is committed last, only when everything it names is stored.
 Until then:
 
-- the snapshot is this node's alone: the API shows it with `"durable": false` (its `POST` answer,
-  `GET /snapshots`, `GET /snapshots/{id}`), a create from it on this node waits for the commit,
-  and other nodes do not know it yet (404);
+- the API shows it with `"durable": false` (its `POST` answer, `GET /snapshots`,
+  `GET /snapshots/{id}`) and a create from it on this node waits for the commit;
+- other nodes sharing the repository find its *pending mark* (`announce`, written before the
+  snapshot is answered: E2B's contract is that the id `create_snapshot` returns is usable):
+  a lookup there waits for the commit, up to `pending_wait` seconds, then answers 503
+  `snapshot_pending` naming this node (retry later), never a 404 (`elsewhere`). The mark goes
+  when the commit ends; a failed commit leaves it saying why (their 404 then says so too); a
+  mark whose node is gone, or older than the collector's grace period, is stale: removed by
+  whoever finds it, and by the collector;
 - a delete cancels it: a commit not yet made never happens (else the snapshot is deleted after);
 - its files wait in the repository's `pending_dir()/<id>/`, its disk layers sealed in the layer
   store (the collector keeps them). Once the pages are hashed and flushed, the manifest to
@@ -30,11 +36,13 @@ staging), so the background part costs the hash and the flush.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +50,7 @@ from pathlib import Path
 
 from .host import Host
 from .manifest import SnapshotManifest
-from .repository import file_digest
+from .repository import SnapshotNotFound, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,15 @@ CAPTURE = "snapshot"  # the capture's file stem: <stem>.devices and <stem>.delta
 DEVICES = f"{CAPTURE}.devices"
 DELTA = f"{CAPTURE}.delta"
 FAILURES_KEPT = 1024  # failed snapshots the API still explains (the oldest are forgotten)
+POLL_FIRST, POLL_MAX = 0.1, 2.0  # seconds between looks at another node's commit (doubling)
+
+
+class SnapshotPending(Exception):
+    """Another node answered the snapshot and has not committed it yet: retry later."""
+
+    def __init__(self, snapshot_id: str, node: str):
+        super().__init__(f"snapshot {snapshot_id} is still being committed by node {node}: retry shortly")
+        self.node = node
 
 
 @dataclass
@@ -96,6 +113,11 @@ class PendingSnapshots:
         self._entries[entry.manifest.id] = entry
         entry.task = asyncio.create_task(self._run(entry))
 
+    async def announce(self, manifest: SnapshotManifest) -> None:
+        """Before the snapshot is answered: mark it pending in the repository, so the nodes
+        sharing it wait for its commit (`elsewhere`) instead of answering 404."""
+        await asyncio.to_thread(self.host.repository.mark_pending, manifest.id, manifest.alias)
+
     async def _run(self, entry: _Entry) -> None:
         try:
             await asyncio.to_thread(self._commit, entry)
@@ -106,6 +128,21 @@ class PendingSnapshots:
             self._failed(entry.manifest, exc)
         finally:
             self._entries.pop(entry.manifest.id, None)
+        manifest = entry.manifest
+        await asyncio.to_thread(
+            self._settle_mark, manifest.id, manifest.alias, self._failures.get(manifest.id)
+        )
+
+    def _settle_mark(self, snapshot_id: str, alias: str | None, failure: str | None) -> None:
+        """The commit ended: its pending mark goes, or says why it failed (blocking)."""
+        repository = self.host.repository
+        try:
+            if failure is None:
+                repository.unmark_pending(snapshot_id, alias)
+            else:
+                repository.mark_pending(snapshot_id, alias, failure)
+        except Exception:  # the store is away: the mark goes stale, and then goes
+            log.warning("could not settle the pending mark of snapshot %s", snapshot_id, exc_info=True)
 
     def _failed(self, manifest: SnapshotManifest, error: Exception) -> None:
         reason = f"snapshot {manifest.id} failed and was rolled back: committing it failed ({error})"
@@ -185,6 +222,31 @@ class PendingSnapshots:
         """Disk layers pending snapshots name (garbage collection, in a worker thread, keeps them)."""
         return {layer for entry in list(self._entries.values()) for layer in entry.manifest.disk_layers}
 
+    async def elsewhere(self, id_or_alias: str, wait: float) -> SnapshotManifest | None:
+        """A snapshot another node answered, once that node commits it: waited for up to `wait`
+        seconds (polling, the interval doubling). None if no node is committing it (no mark, or
+        a stale one, removed now); `SnapshotNotFound` saying why if its commit failed;
+        `SnapshotPending` if it is still being committed after `wait`."""
+        repository = self.host.repository
+        deadline, delay = time.monotonic() + wait, POLL_FIRST
+        while True:
+            mark = await asyncio.to_thread(repository.pending_mark, id_or_alias)  # first: then get
+            with contextlib.suppress(SnapshotNotFound):
+                return await asyncio.to_thread(repository.get, id_or_alias)
+            if mark is None:
+                return None
+            if mark.failure is not None:
+                raise SnapshotNotFound(mark.failure)
+            if mark.stale:
+                log.warning("snapshot %s was never committed by node %s: removing its mark", mark.snapshot_id,
+                            mark.node)  # fmt: skip
+                await asyncio.to_thread(repository.unmark_pending, mark.snapshot_id, id_or_alias)
+                return None
+            if (left := deadline - time.monotonic()) <= 0:
+                raise SnapshotPending(mark.snapshot_id, mark.node)
+            await asyncio.sleep(min(delay, left))
+            delay = min(2 * delay, POLL_MAX)
+
     async def settle(self, id_or_alias: str) -> None:
         """Wait until the pending snapshot (if it is one) is committed or rolled back."""
         for entry in list(self._entries.values()):
@@ -211,8 +273,10 @@ class PendingSnapshots:
         return not entry.committed
 
     async def close(self) -> None:
-        """Let the commits in progress finish (a node stopping cleanly leaves nothing pending)."""
-        await asyncio.gather(*(e.task for e in self._entries.values() if e.task), return_exceptions=True)
+        """Let the commits in progress finish, until the stop deadline (`StopDeadline.settle`): those
+        left are finished at the next start (`recover`) if their pages were flushed."""
+        if left := await self.host.stop.settle(e.task for e in list(self._entries.values())):
+            log.warning("%d snapshots not committed by the stop deadline: left to the next start", left)
 
     def recover(self) -> int:
         """At start: finish the commits a previous node process left; returns how many."""
@@ -222,9 +286,11 @@ class PendingSnapshots:
                 manifest = SnapshotManifest.from_json((directory / MANIFEST).read_text())
             except (OSError, ValueError):  # not hashed and flushed yet: rolled back
                 shutil.rmtree(directory, ignore_errors=True)
+                self._settle_mark(directory.name, None, None)
                 continue
             if self.host.repository.is_live(manifest.id):
                 shutil.rmtree(directory, ignore_errors=True)
+                self._settle_mark(manifest.id, manifest.alias, None)
                 continue
             self._start(_Entry(manifest, directory, complete=True))
             resumed += 1

@@ -41,6 +41,7 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -126,6 +127,32 @@ class GcReport:
     freed_bytes: int = 0
     removed_aliases: tuple[str, ...] = ()
     removed_staging: int = 0
+
+
+@dataclass(frozen=True)
+class PendingMark:
+    """A snapshot a node answered and commits in the background (`aenv.snapshot.pending`), as
+    the other nodes sharing the repository see it until the commit ends."""
+
+    snapshot_id: str
+    node: str  # the node committing it
+    failure: str | None  # why its commit failed (the mark then stays until it is stale)
+    stale: bool  # its node is gone, or it is older than the grace period: no commit will come
+
+    def to_json(self) -> bytes:
+        return json.dumps({"id": self.snapshot_id, "node": self.node, "failure": self.failure}).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, *, age: float, node_live: Callable[[str], bool], grace: float) -> PendingMark:
+        fields = json.loads(data)
+        node = str(fields["node"])
+        stale = age > grace or not node_live(node)
+        return cls(str(fields["id"]), node, fields.get("failure"), stale)
+
+
+def mark_names(snapshot_id: str, alias: str | None) -> list[str]:
+    """The names a pending mark is found by: the snapshot's id and its alias."""
+    return [name for name in (snapshot_id, alias) if name]
 
 
 def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
@@ -331,8 +358,9 @@ class SnapshotRepository:
         self._deleted = self.root / "deleted"
         self._staging = self.root / "staging"
         self._claims = self.root / "claims"
+        self._marks = self.root / "marks"
         dirs = (self._blobs, self._manifests, self._aliases, self._leases, self._deleted, self._staging)
-        for d in (*dirs, self._nodes, self._claims):
+        for d in (*dirs, self._nodes, self._claims, self._marks):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._own_staging: set[Path] = set()
@@ -679,6 +707,29 @@ class SnapshotRepository:
             if self.claimant(snapshot_id) == self.node:
                 _unlink_durably(self._claims / snapshot_id)
 
+    # ---- pending marks (snapshots answered, committed in the background) --------------------------
+
+    def mark_pending(self, snapshot_id: str, alias: str | None = None, failure: str | None = None) -> None:
+        """Tell the other nodes this node commits the snapshot (or that its commit failed)."""
+        mark = PendingMark(self._check_id(snapshot_id), self.node, failure, stale=False).to_json()
+        for name in mark_names(snapshot_id, alias):
+            _write_atomic(self._marks / name, mark)
+
+    def unmark_pending(self, snapshot_id: str, alias: str | None = None) -> None:
+        for name in mark_names(snapshot_id, alias):
+            _unlink_durably(self._marks / name)
+
+    def pending_mark(self, id_or_alias: str) -> PendingMark | None:
+        """The mark of a snapshot another node is committing, by id or alias (None: none)."""
+        if not (SNAPSHOT_ID_RE.fullmatch(id_or_alias) or ALIAS_RE.fullmatch(id_or_alias)):
+            return None
+        path = self._marks / id_or_alias
+        try:
+            data, age = path.read_bytes(), time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        return PendingMark.parse(data, age=age, node_live=self._node_live, grace=self.grace_seconds)
+
     @staticmethod
     def _check_id(snapshot_id: str) -> str:
         if not isinstance(snapshot_id, str) or not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
@@ -697,7 +748,7 @@ class SnapshotRepository:
         grace = self.grace_seconds if grace_seconds is None else grace_seconds
         with self._locked():
             # Every catalog write holds the lock, so any temporary seen now is crash debris.
-            for d in (self._manifests, self._aliases, self._deleted):
+            for d in (self._manifests, self._aliases, self._deleted, self._marks):
                 for tmp in d.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
             removed, freed = [], 0
@@ -717,6 +768,9 @@ class SnapshotRepository:
             for claim in self._claims.glob("[!.]*"):
                 if not self._manifest_path(claim.name).exists():
                     claim.unlink()
+            for mark in self._marks.glob("[!.]*"):
+                if (found := self.pending_mark(mark.name)) is not None and found.stale:
+                    mark.unlink(missing_ok=True)
             removed_aliases = []
             for alias in self._aliases.glob("[!.]*"):
                 if self._alias_target(alias.name) is None:
@@ -799,7 +853,11 @@ class SnapshotRepository:
             node = lease.read_text()
         except FileNotFoundError:
             return False
-        if node in ("", self.node) or self.lease_ttl is None:
+        return node == "" or self._node_live(node)
+
+    def _node_live(self, node: str) -> bool:
+        """Whether the node's heartbeat is within the lease ttl (this node always is)."""
+        if node == self.node or self.lease_ttl is None:
             return True
         if not HOLDER_RE.fullmatch(node):
             return False

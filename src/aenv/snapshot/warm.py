@@ -139,7 +139,7 @@ class WarmVMs:
             if top is not None:
                 host.layers.remove(top)
             shutil.rmtree(workdir, ignore_errors=True)
-            host.repository.release(snapshot_id, entry_id)
+            await host.stop.release(host.repository, snapshot_id, entry_id)  # cancelled by a stop, too
             raise
         return WarmVM(entry_id, manifest.id, vm, network, envd, top, workdir, token)
 
@@ -154,7 +154,7 @@ class WarmVMs:
         await warm.network.aclose()
         self.host.layers.remove(warm.top_layer)
         await asyncio.to_thread(shutil.rmtree, warm.workdir, ignore_errors=True)
-        self.host.repository.release(warm.snapshot_id, warm.entry_id)
+        await self.host.stop.release(self.host.repository, warm.snapshot_id, warm.entry_id)
 
     async def claim(
         self,

@@ -116,7 +116,7 @@ class BlobCache:
             self.misses += 1
             with open(self.path(key), "wb") as f:
                 f.truncate(size)
-            os.chmod(self.path(key), 0o444)
+            _seal(self.path(key))
             self._entries[key] = _Entry(0, {owner} if owner else set(), lazy=True)
             self._evict(keep=key)  # saves the index
             return self.path(key), False
@@ -144,6 +144,7 @@ class BlobCache:
             tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.unlink(missing_ok=True)
             os.link(path, tmp)
+            _seal(tmp)  # the file as its builder left it: owner-only, after QEMU wrote it
             os.replace(tmp, self.path(key))
             self._entries[key] = _Entry(_allocated(self.path(key)), {owner} if owner else set())
             self._save()
@@ -177,7 +178,7 @@ class BlobCache:
         tmp.unlink(missing_ok=True)
         try:
             fill(tmp)
-            os.chmod(tmp, 0o444)
+            _seal(tmp)
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -268,6 +269,12 @@ class BlobCache:
             found.append((entry.used, path.name, entry))
         for _, key, entry in sorted(found):
             self._entries[key] = entry
+
+
+def _seal(path: Path) -> None:
+    """Make an entry read-only and readable by anyone: QEMU opens it as an unprivileged VMM uid
+    (`aenv.vmm.confine`), as it opens a posix repository's blobs, which are 0444 too."""
+    os.chmod(path, 0o444)
 
 
 def _allocated(path: Path) -> int:

@@ -24,11 +24,13 @@ Decisions, and why:
   (the template's root filesystem, most of a chain's bytes) names no backing file and is served
   on demand.
 - The server is its own process (``python -m aenv.storage.lazyfs``) in a session of its own,
-  like QEMU, so it outlives the node: QEMU processes survive node restarts and a QEMU whose
-  memory file stops answering gets SIGBUS. A restarted node re-attaches to the running server
-  (its pid file and mount); only a node whose server is gone starts a new one, so a server keeps
-  the repository location and credentials it was started with until it is stopped. Nothing stops
-  it but `stop_server` (tests, uninstall): with no VM reading, it only holds a mount.
+  like QEMU, and it lives exactly as long as its node process: it watches the node (a pidfd)
+  and, when the node ends however it ends (SIGKILL too), unmounts and exits. A server left
+  behind (as it once was, on purpose, for the QEMUs that outlive a crashed node) kept a mount
+  and the store's credentials on a home no node ran (issue 32). The price: a QEMU a killed node
+  left running gets SIGBUS at its next page not fetched yet. A node attaches only to a server it
+  started; a server or a dead mount left by an earlier node process is removed before it
+  starts its own.
 - The mount sits under ``<home>/runtime``, which VMMs see through their own root
   (`aenv.vmm.mountview`): the node mounts it before that root is built, so it is part of it;
   ``allow_other`` lets the unprivileged VMM user read it.
@@ -60,6 +62,7 @@ import errno
 import json
 import logging
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -100,7 +103,7 @@ def _answers(mountpoint: Path) -> bool:
 
 
 class LazyMount:
-    """This node's FUSE server: started once, outliving the node, re-attached after restarts.
+    """This node's FUSE server: started once per node process, ending with it.
 
     `state` holds the pid file, log and chunk indexes; `cache_root` the sparse copies the server
     fills (the runtime cache's directory); `mountpoint` is where QEMU finds the files.
@@ -135,18 +138,20 @@ class LazyMount:
         (self.index_dir / f"{key}.json").unlink(missing_ok=True)
 
     def alive(self) -> bool:
-        """Whether the server runs and its mount is there (not asked through the mount: a server
-        busy fetching must not hold up the node)."""
-        return server_pid(self.state) is not None and _mounted(self.mountpoint)
+        """Whether this process's server runs and its mount is there (not asked through the
+        mount: a server busy fetching must not hold up the node)."""
+        pid = server_pid(self.state)
+        return pid is not None and _parent(pid) == os.getpid() and _mounted(self.mountpoint)
 
     def ensure(self) -> None:
-        """Attach to the running server, or start one (a dead one's mount is detached first)."""
+        """Start this process's server, unless it runs (a dead one's mount, or a server an earlier
+        node process left, is removed first)."""
         with self._lock:
             if self.alive():
                 return
-            if _mounted(self.mountpoint):  # first: a dead mount answers nothing, not even stat
-                log.warning("the lazy-loading server of %s is gone: mounting it again", self.mountpoint)
-                _unmount(self.mountpoint)
+            if _mounted(self.mountpoint) or server_pid(self.state) is not None:
+                log.warning("removing the lazy-loading server and mount %s left behind", self.mountpoint)
+                stop_server(self.state, self.mountpoint)
             self.index_dir.mkdir(parents=True, exist_ok=True)
             self.mountpoint.mkdir(parents=True, exist_ok=True)
             self._start()
@@ -159,7 +164,8 @@ class LazyMount:
         package_root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))
         env = {**os.environ, "PYTHONPATH": path, LOCATION_ENV: json.dumps(dataclasses.asdict(self.location))}
-        args = [sys.executable, "-m", MODULE, str(self.state), str(self.mountpoint), str(self.cache_root)]
+        args = [sys.executable, "-m", MODULE, str(self.state), str(self.mountpoint), str(self.cache_root),
+                f"--node={os.getpid()}"]  # fmt: skip
         with open(self.state / LOG_FILE, "ab") as out:
             process = subprocess.Popen(
                 args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -187,6 +193,14 @@ def server_pid(state: Path) -> int | None:
     return pid if MODULE.encode() in argv and str(state).encode() in argv else None
 
 
+def _parent(pid: int) -> int | None:
+    """The parent pid of `pid` (the fourth field of /proc/<pid>/stat, after the command's ")")."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def stop_at(home: Path) -> None:
     """Stop the server of the node home `home`, if it has one (its VMs are gone)."""
     stop_server(home / STATE_DIR, home / MOUNT_DIR)
@@ -212,6 +226,19 @@ def _unmount(mountpoint: Path) -> None:
 
 
 # ---- the server process --------------------------------------------------------------------------
+
+
+def watch_node(node: int, mountpoint: Path) -> None:
+    """Unmount and end this process when the node process `node` (its parent) ends (blocking)."""
+    try:
+        pidfd = os.pidfd_open(node)
+    except ProcessLookupError:
+        pidfd = None
+    if pidfd is not None and os.getppid() == node:  # else the node ended before it was watched
+        select.select([pidfd], [], [])
+    log.info("node process %d ended: unmounting %s", node, mountpoint)
+    _unmount(mountpoint)
+    os._exit(0)
 
 
 def serve(state: Path, mountpoint: Path, cache_root: Path, reader: BlobReader) -> None:
@@ -278,9 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("state", type=Path)
     parser.add_argument("mountpoint", type=Path)
     parser.add_argument("cache_root", type=Path)
+    parser.add_argument("--node", type=int, required=True, help="the node process this server ends with")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     location = S3Location(**json.loads(os.environ.pop(LOCATION_ENV)))
+    threading.Thread(target=watch_node, args=(args.node, args.mountpoint), daemon=True).start()
     serve(args.state, args.mountpoint, args.cache_root, BlobReader(location))
 
 

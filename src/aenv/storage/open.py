@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STOP_WAIT = 2.0  # seconds a stopping node waits for a heartbeat in flight
+
 
 class Heartbeat:
     """Tells the repository every `interval` seconds that this node lives, so its leases hold."""
@@ -54,9 +56,11 @@ class Heartbeat:
                 log.warning("repository heartbeat failed", exc_info=True)
 
     def stop(self) -> None:
+        """Stop beating; a heartbeat in flight (retrying an unreachable store) is not waited for
+        beyond `STOP_WAIT`: the thread is a daemon."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(self._interval)
+            self._thread.join(min(self._interval, STOP_WAIT))
 
 
 @dataclass
@@ -67,12 +71,12 @@ class Storage:
     runtime: RuntimeResolver | None
     heartbeat: Heartbeat
     cache: BlobCache | None = None
-    lazy: LazyMount | None = None  # outlives the node: stopped only by `LazyMount.stop` (tests)
+    lazy: LazyMount | None = None  # ends with the node process, or with `LazyMount.stop`
     peers: PeerSource | None = None  # blobs from peers first (`aenv.storage.peers`), if P2P is on
 
     def close(self) -> None:
-        """Stop the heartbeat and the on-demand loading server: for a home whose VMs are all
-        gone (a node's own stop leaves the server running for the VMs that outlive it)."""
+        """Stop the heartbeat and the on-demand loading server (else it ends with this process):
+        for a home whose VMs are all gone."""
         self.heartbeat.stop()
         if self.peers is not None:
             self.peers.close()

@@ -26,7 +26,7 @@ Decisions, and why:
 - Whole blobs, and the prefetch of on-demand loading (the chunks a restore reads, fetched by the
   node before QEMU starts: `PeerSource.ranges`, each chunk checked against the blob's chunk
   index). What the FUSE server fetches later, as the guest touches it (`aenv.storage.lazyfs`,
-  its own process, outliving the node), still comes from the store.
+  its own process), still comes from the store.
 """
 
 from __future__ import annotations

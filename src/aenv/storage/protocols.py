@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from ..snapshot.manifest import MachineShape, SnapshotManifest
-    from ..snapshot.repository import GcReport
+    from ..snapshot.repository import GcReport, PendingMark
     from ..vmm.launcher import BootFiles
     from .cache import CacheStats
 
@@ -78,6 +78,13 @@ class Repository(Protocol):
     def local_leases(self) -> set[str]:
         """Ids of the snapshots this node holds leases on."""
         ...
+
+    # -- pending marks: snapshots answered before their commit (aenv.snapshot.pending)
+    def mark_pending(
+        self, snapshot_id: str, alias: str | None = None, failure: str | None = None
+    ) -> None: ...
+    def unmark_pending(self, snapshot_id: str, alias: str | None = None) -> None: ...
+    def pending_mark(self, id_or_alias: str) -> PendingMark | None: ...
 
     def gc(self, *, grace_seconds: float | None = None) -> GcReport: ...
 

@@ -11,6 +11,7 @@ primitives instead of a lock file, so that several nodes can share one bucket. K
     nodes/<node>              the node's heartbeat: its LastModified is when it last said it lives
     deleted/<id>              tombstone: deleted while leased, removed when the last lease goes
     claims/<id>               the node that took the snapshot over (``If-None-Match: *``: once)
+    pending/<id or alias>     a snapshot its node answered and commits in the background
 
 - Blobs are verified twice: the store checks each upload (``ChecksumSHA256`` of a single PUT is
   the blob's own digest; each multipart part carries its ``Content-MD5``) and every read rehashes
@@ -69,6 +70,7 @@ from ..snapshot.repository import (
     GcReport,
     InvalidName,
     MissingBlob,
+    PendingMark,
     RepositoryError,
     SnapshotExists,
     SnapshotInUse,
@@ -78,6 +80,7 @@ from ..snapshot.repository import (
     check_digest,
     check_holder,
     file_digest,
+    mark_names,
     write_fetched,
 )
 from .chunks import CHUNK_SIZE, ChunkIndex
@@ -619,6 +622,38 @@ class S3Repository:
             raise InvalidName(f"invalid snapshot id {snapshot_id!r}")
         return self._key("claims", snapshot_id)
 
+    # ---- pending marks (snapshots answered, committed in the background) --------------------------
+
+    def mark_pending(self, snapshot_id: str, alias: str | None = None, failure: str | None = None) -> None:
+        """Tell the other nodes this node commits the snapshot (or that its commit failed)."""
+        if not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
+            raise InvalidName(f"invalid snapshot id {snapshot_id!r}")
+        mark = PendingMark(snapshot_id, self.node, failure, stale=False).to_json()
+        for name in mark_names(snapshot_id, alias):
+            self._put(self._key("pending", name), mark)
+
+    def unmark_pending(self, snapshot_id: str, alias: str | None = None) -> None:
+        for name in mark_names(snapshot_id, alias):
+            self._delete(self._key("pending", name))
+
+    def pending_mark(self, id_or_alias: str) -> PendingMark | None:
+        """The mark of a snapshot another node is committing, by id or alias (None: none)."""
+        if not (SNAPSHOT_ID_RE.fullmatch(id_or_alias) or ALIAS_RE.fullmatch(id_or_alias)):
+            return None
+        try:
+            answer = self._client.get_object(Bucket=self._bucket, Key=self._key("pending", id_or_alias))
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        now = parsedate_to_datetime(answer["ResponseMetadata"]["HTTPHeaders"]["date"])
+        age = (now - answer["LastModified"]).total_seconds()
+        live = self._live_nodes()
+        return PendingMark.parse(
+            answer["Body"].read(), age=age, node_live=lambda node: live is None or node in live,
+            grace=self.grace_seconds,
+        )  # fmt: skip
+
     # ---- garbage collection --------------------------------------------------------------------
 
     def gc(self, *, grace_seconds: float | None = None) -> GcReport:
@@ -641,6 +676,9 @@ class S3Repository:
                 freed += size
         for entry in self._list("claims", "")[0]:
             if entry["Name"] not in manifests:
+                self._delete(entry["Key"])
+        for entry in self._list("pending", "")[0]:
+            if (mark := self.pending_mark(entry["Name"])) is not None and mark.stale:
                 self._delete(entry["Key"])
         removed_aliases = []
         for entry in self._list("aliases", "")[0]:
