@@ -31,6 +31,7 @@ from ..agent.envd import ENVD_VERSION
 from ..cluster.auth import cluster_gate
 from ..cluster.wire import node_route
 from ..orchestrator.errors import (
+    BadGuest,
     Conflict,
     Forbidden,
     InsufficientStorage,
@@ -67,6 +68,7 @@ STATUS: dict[type[SandboxError], int] = {
     Conflict: 409,
     Unavailable: 503,
     InsufficientStorage: 507,
+    BadGuest: 502,
     OperationFailed: 500,
 }
 

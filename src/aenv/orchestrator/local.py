@@ -164,8 +164,7 @@ class LocalNode:
     async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
         sandbox = self._sandbox(sandbox_id)
-        lines = await asyncio.to_thread(self._engine.serial_lines, sandbox.id)
-        return lines[start : start + limit]
+        return await asyncio.to_thread(self._engine.serial_lines, sandbox.id, start, limit)
 
     # -- catalog ---------------------------------------------------------------------------
 
