@@ -75,3 +75,15 @@ def test_the_pump_copies_the_socket_into_the_ring(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert read_lines(tmp_path, 0, 10) == ["[    0.000000] Linux version", "boot done"]
+
+
+def test_the_ring_follows_its_directory_when_renamed(tmp_path: Path) -> None:
+    """A warm VM's directory becomes its sandbox's while its console is being written."""
+    (tmp_path / "warm").mkdir()
+    ring = SerialRing(tmp_path / "warm", CAPACITY)
+    ring.write(b"restored\n")
+    (tmp_path / "warm").rename(tmp_path / "sandbox")
+    for n in range(5_000):
+        ring.write(f"line {n}\n".encode())
+    ring.close()
+    assert read_lines(tmp_path / "sandbox", 4_998, 10) == ["line 4997", "line 4998", "line 4999"]

@@ -35,6 +35,7 @@ SERIAL_SOCKET = "serial.sock"
 # newline must not grow a file past its half of the cap.
 MAX_LINE = 64 * 1024
 READ_SIZE = 64 * 1024
+_APPEND = os.O_RDWR | os.O_CREAT | os.O_APPEND  # read too: the last byte says whether a line ended
 # The ring's default size: a boot's console under TCG is ~40 KiB; 8 MiB keeps hours of a chatty
 # guest's messages and ~25 s of a flood.
 DEFAULT_CAPACITY = 8 * 1024 * 1024
@@ -48,9 +49,10 @@ def set_capacity(mib: int) -> None:
 
 
 @contextlib.contextmanager
-def _locked(workdir: Path, operation: int) -> Iterator[int]:
-    """`serial.log.start`, open and flocked: rotation takes it exclusively, readers shared."""
-    fd = os.open(workdir / FIRST_LINE_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+def _locked(dir_fd: int, operation: int) -> Iterator[int]:
+    """`serial.log.start` in the directory `dir_fd`, open and flocked: rotation takes it
+    exclusively, readers shared."""
+    fd = os.open(FIRST_LINE_FILE, os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dir_fd)
     try:
         fcntl.flock(fd, operation)
         yield fd
@@ -73,14 +75,17 @@ def _newlines(path: Path) -> int:
 
 
 class SerialRing:
-    """The writing end: appends the console's bytes, rotating at half of `capacity`."""
+    """The writing end: appends the console's bytes, rotating at half of `capacity`.
+
+    It works in its directory through a descriptor, which follows the directory when it is
+    renamed (a warm VM's becomes its sandbox's)."""
 
     def __init__(self, workdir: Path, capacity: int | None = None):
-        self.workdir = workdir
         self.half = (capacity or _capacity) // 2
         self.older_lines = _newlines(workdir / OLDER_LOG)
         self.lines = _newlines(workdir / SERIAL_LOG)
-        self.fd = os.open(workdir / SERIAL_LOG, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self.dir_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+        self.fd = os.open(SERIAL_LOG, _APPEND, 0o600, dir_fd=self.dir_fd)
         self.size = os.fstat(self.fd).st_size
         self.at_line_end = self.size == 0 or os.pread(self.fd, 1, self.size - 1) == b"\n"
 
@@ -99,6 +104,7 @@ class SerialRing:
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
+            os.close(self.dir_fd)
             self.fd = -1
 
     def _append(self, piece: bytes) -> None:
@@ -110,12 +116,12 @@ class SerialRing:
         self.at_line_end = piece.endswith(b"\n")
 
     def _rotate(self) -> None:
-        with _locked(self.workdir, fcntl.LOCK_EX) as lock:
+        with _locked(self.dir_fd, fcntl.LOCK_EX) as lock:
             first = _first_line(lock) + self.older_lines
             os.pwrite(lock, f"{first:<20}\n".encode(), 0)
-            os.replace(self.workdir / SERIAL_LOG, self.workdir / OLDER_LOG)
+            os.replace(SERIAL_LOG, OLDER_LOG, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
             os.close(self.fd)
-            self.fd = os.open(self.workdir / SERIAL_LOG, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            self.fd = os.open(SERIAL_LOG, _APPEND, 0o600, dir_fd=self.dir_fd)
         self.older_lines, self.lines, self.size, self.at_line_end = self.lines, 0, 0, True
 
 
@@ -123,15 +129,17 @@ def read_lines(workdir: Path, start: int, limit: int) -> list[str]:
     """Up to `limit` whole lines from line number `start` (counted from the sandbox's first;
     lines already dropped are skipped), oldest first. Reads the files a line at a time and keeps
     only the page, so memory stays within the page whatever the ring holds."""
-    if not workdir.is_dir():
+    try:
+        dir_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
         return []
     files: list[BinaryIO] = []
     try:
-        with _locked(workdir, fcntl.LOCK_SH) as lock:
+        with _locked(dir_fd, fcntl.LOCK_SH) as lock:
             number = _first_line(lock)
             for name in (OLDER_LOG, SERIAL_LOG):
                 with contextlib.suppress(FileNotFoundError):
-                    files.append((workdir / name).open("rb"))
+                    files.append(os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dir_fd), "rb"))
         page: list[str] = []
         for line in _whole_lines(files):
             if number >= start:
@@ -143,6 +151,7 @@ def read_lines(workdir: Path, start: int, limit: int) -> list[str]:
     finally:
         for f in files:
             f.close()
+        os.close(dir_fd)
 
 
 def _whole_lines(files: list[BinaryIO]) -> Iterator[bytes]:
@@ -186,7 +195,7 @@ class SerialPump:
             while data := await loop.sock_recv(self.sock, READ_SIZE):
                 self.ring.write(data)
         except OSError as exc:
-            log.warning("reading the serial console in %s failed: %s", self.ring.workdir, exc)
+            log.warning("reading a serial console failed: %s", exc)
         finally:
             self._close()
 
