@@ -161,7 +161,7 @@ class LocalNode:
                 known.append(self._sandbox(sandbox_id))
         return await self.orchestrator.latest_metrics(known)
 
-    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
         sandbox = self._sandbox(sandbox_id)
         return await asyncio.to_thread(self._engine.serial_lines, sandbox.id, start, limit)

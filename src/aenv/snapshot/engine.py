@@ -127,7 +127,7 @@ class SnapshotEngine:
     def sandbox_states(self) -> list[SandboxState]:
         return self.host.sandbox_states()
 
-    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         return self.host.serial_lines(sandbox_id, start, limit)
 
     # -- templates -------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class Host:
                 states.append(SandboxState.load(state_file.parent))
         return states
 
-    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         """A page of the sandbox's serial console, across its pauses and resumes: `limit` lines
-        from line `start` (`aenv.vmm.serial`)."""
+        from line `start`, and the number of the first (`aenv.vmm.serial.read_lines`)."""
         return serial.read_lines(self.workdir(sandbox_id), start, limit)

@@ -31,6 +31,8 @@ SERIAL_LOG = "serial.log"
 OLDER_LOG = "serial.log.1"
 FIRST_LINE_FILE = "serial.log.start"
 SERIAL_SOCKET = "serial.sock"
+# The API's header with the `start` of a page's next page (`GET /sandboxes/{id}/logs`).
+NEXT_START_HEADER = "X-Next-Start"
 # A line longer than this is cut at a rotation rather than waited for: a guest writing no
 # newline must not grow a file past its half of the cap.
 MAX_LINE = 64 * 1024
@@ -125,14 +127,15 @@ class SerialRing:
         self.older_lines, self.lines, self.size, self.at_line_end = self.lines, 0, 0, True
 
 
-def read_lines(workdir: Path, start: int, limit: int) -> list[str]:
-    """Up to `limit` whole lines from line number `start` (counted from the sandbox's first;
-    lines already dropped are skipped), oldest first. Reads the files a line at a time and keeps
-    only the page, so memory stays within the page whatever the ring holds."""
+def read_lines(workdir: Path, start: int, limit: int) -> tuple[int, list[str]]:
+    """Up to `limit` whole lines from line number `start` (counted from the sandbox's first),
+    oldest first, and the number of the first of them: a `start` before the oldest line kept
+    starts there. Reads the files a line at a time and keeps only the page, so memory stays
+    within the page whatever the ring holds."""
     try:
         dir_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
-        return []
+        return start, []
     files: list[BinaryIO] = []
     try:
         with _locked(dir_fd, fcntl.LOCK_SH) as lock:
@@ -140,6 +143,7 @@ def read_lines(workdir: Path, start: int, limit: int) -> list[str]:
             for name in (OLDER_LOG, SERIAL_LOG):
                 with contextlib.suppress(FileNotFoundError):
                     files.append(os.fdopen(os.open(name, os.O_RDONLY, dir_fd=dir_fd), "rb"))
+        first = max(start, number)
         page: list[str] = []
         for line in _whole_lines(files):
             if number >= start:
@@ -147,7 +151,7 @@ def read_lines(workdir: Path, start: int, limit: int) -> list[str]:
                 if len(page) == limit:
                     break
             number += 1
-        return page
+        return first, page
     finally:
         for f in files:
             f.close()
