@@ -254,3 +254,22 @@ def test_an_answer_that_is_not_http_is_invalid(monkeypatch) -> None:
 def test_a_command_stream_frame_beyond_its_bound_is_refused(monkeypatch) -> None:
     error = against(monkeypatch, huge_frame, lambda link: link.run("true", timeout=5))
     assert isinstance(error, envd_link.AnswerTooLarge)
+
+
+def test_samples_keep_their_time_and_numbers_only(monkeypatch) -> None:
+    """What a hostile guest adds to its samples is not kept (they are saved with the sandbox)."""
+    body = b'{"samples": [{"ts": 5, "cpu_used_pct": 1.5, "mem_used": 7, "junk": "' + b"j" * 1000 + b'"},'
+    body += b' {"ts": "6"}, {"ts": 7, "disk_used": [1, 2]}, 8], "next_in": 2}'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+    batches = []
+
+    async def history(link: EnvdLink) -> None:
+        batches.append(await link.metrics_history())
+
+    assert against(monkeypatch, answer, history) is None
+    assert batches == [envd_link.SampleBatch([{"ts": 5, "cpu_used_pct": 1.5, "mem_used": 7}, {"ts": 7}], 2.0)]

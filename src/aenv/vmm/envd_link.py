@@ -39,6 +39,8 @@ HISTORY_ANSWER_BYTES = 1024 * 1024
 # One Connect envelope of a command's output stream (the stream itself is handed on as it
 # arrives, never kept): envd reads 32 KiB of output at a time, 44 KiB once in base64 and JSON.
 STREAM_FRAME_BYTES = 1024 * 1024
+# The numbers of an envd metrics sample the node keeps (`aenv.agent.envd.metrics.render`).
+SAMPLE_FIELDS = ("cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache", "disk_used", "disk_total")
 # Seconds a command's stream may outlast its timeout: envd ends the command at the timeout, and
 # its last frames still have to reach the node from a guest that may be starved under TCG.
 STREAM_GRACE = 10.0
@@ -76,6 +78,17 @@ class AnswerTooSlow(GuestAnswerError, TimeoutError):
     starved guest does that, and the same call succeeds once the node has room."""
 
     code = "guest_answer_too_slow"
+
+
+def _sample(raw: Any) -> dict[str, Any] | None:
+    """A sample of envd's as the node keeps it: its time and its numbers, nothing else (the
+    samples are saved with the sandbox and merged at every pause, so whatever else a hostile
+    guest put in them would pile up there)."""
+    if not isinstance(raw, dict) or type(raw.get("ts")) is not int:
+        return None
+    return {"ts": raw["ts"]} | {
+        name: value for name in SAMPLE_FIELDS if isinstance(value := raw.get(name), int | float)
+    }
 
 
 class SampleBatch(NamedTuple):
@@ -303,10 +316,8 @@ class EnvdLink:
         if not isinstance(answer, dict) or not isinstance(samples := answer.get("samples"), list):
             raise AnswerInvalid(f"envd /metrics/history answered no samples: {body[:200]!r}")
         next_in = answer.get("next_in")
-        return SampleBatch(
-            [s for s in samples if isinstance(s, dict) and isinstance(s.get("ts"), int)],
-            float(next_in) if isinstance(next_in, int | float) else None,
-        )
+        kept = [sample for raw in samples if (sample := _sample(raw)) is not None]
+        return SampleBatch(kept, float(next_in) if isinstance(next_in, int | float) else None)
 
     async def run(
         self,
