@@ -29,7 +29,8 @@ INIT_RETRY_INTERVAL = 0.05
 READ_SIZE = 64 * 1024
 # What the node reads from a guest is bounded in size per call: the guest's root can replace
 # envd with anything on its port, and a node that read a 1.5 GiB chunked answer whole went from
-# 114 MiB to 4.7 GiB. Each bound is several times the largest answer a real envd gives.
+# 114 MiB to 4.7 GiB (bounded: 102 to 105 MiB through endless answers to metrics, a pause and a
+# resume, tests/e2e/test_rogue_guest.py). Each bound is several times the largest real answer.
 # /health, /init (empty, or aenv's `volumeMounts`: a few hundred bytes a mount), /files and the
 # error bodies of any call: a few KiB at most.
 SMALL_ANSWER_BYTES = 64 * 1024
