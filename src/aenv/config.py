@@ -86,6 +86,8 @@ class Settings:
     # home's filesystem has less than disk_reserve_mib free.
     memory_overcommit: float = 16.0
     disk_reserve_mib: int = 2048
+    # Each sandbox's serial console is kept as a ring of about this many MiB (aenv.vmm.serial).
+    serial_log_mib: int = 8
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
     # Where committed snapshots live (aenv.storage.open): a directory (posix_fs; empty means
     # <home>/repository) or s3://BUCKET/PREFIX on an S3-compatible store, which then needs the
@@ -162,7 +164,7 @@ class Settings:
         if any(not peer.startswith(("http://", "https://")) for peer in self.peer_urls):
             problems.append(f"p2p_peers must be comma-separated http(s) base URLs, got {self.p2p_peers!r}")
         positive = ("memory_mib", "default_timeout", "max_timeout", "max_fork_count", "cache_capacity_mib")
-        for name in (*positive, "template_builds"):
+        for name in (*positive, "template_builds", "serial_log_mib"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
         if self.vcpus < 0:

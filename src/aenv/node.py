@@ -44,7 +44,7 @@ from .snapshot.repository import SnapshotNotFound
 from .storage.open import Storage, open_storage
 from .storage.peers import BlobServer
 from .telemetry import Telemetry
-from .vmm import confine, merge
+from .vmm import confine, merge, serial
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
 from .volumes.mounts import SandboxVolumes
@@ -216,6 +216,7 @@ class Node:
             identities=identities,
         )
         confine.install(confinement)
+        serial.set_capacity(settings.serial_log_mib)
 
     def _domain(self) -> str:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""

@@ -144,3 +144,132 @@ def test_write_file_uploads_a_form_as_the_sdks_do(monkeypatch) -> None:
         ("a%20b", {"path": "/tmp/a b"}, b"data\n"),  # aiohttp quotes the name; envd takes the query's path
         ("application/octet-stream", {"path": "/tmp/c", "username": "root"}, b"raw"),
     ]
+
+
+# -- a hostile envd: every answer is bounded in size and time ----------------------------------
+
+CHUNK = b"x" * 65536
+ROGUE_SECONDS = 30  # a scenario that runs longer has hung on the guest: the bound did not hold
+
+
+async def endless_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A 200 answer whose chunked body never ends (as a guest's root can answer on envd's port)."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    while True:
+        writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+        await writer.drain()
+
+
+async def huge_declared(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A body declared 1.5 GiB long, sent as fast as it is read."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (3 << 29))
+    while True:
+        writer.write(CHUNK)
+        await writer.drain()
+
+
+async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Headers at once, then a byte of body now and then, forever."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    while True:
+        writer.write(b"1\r\n\x00\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+
+
+async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read()  # until the node gives up
+
+
+async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+    await writer.drain()
+
+
+async def huge_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A Connect stream whose first envelope announces a 4 GiB message."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    writer.write(b"5\r\n\x00\xff\xff\xff\xff\r\n")
+    while True:
+        writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+        await writer.drain()
+
+
+def against(monkeypatch, serve, call):
+    """`call(link)` against a loopback envd that answers with `serve`; the exception it raised."""
+
+    async def scenario() -> BaseException | None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        monkeypatch.setattr(envd_link, "GUEST_ADDRESS", "127.0.0.1")
+        monkeypatch.setattr(envd_link, "ENVD_PORT", server.sockets[0].getsockname()[1])
+        link = EnvdLink(LoopbackNetwork())  # type: ignore[arg-type]
+        try:
+            async with asyncio.timeout(ROGUE_SECONDS):
+                await call(link)
+        except Exception as exc:
+            return exc
+        finally:
+            link.close()
+            server.close()
+        return None
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("serve", [endless_chunked, huge_declared])
+def test_an_endless_or_huge_answer_is_refused_at_its_bound(monkeypatch, serve) -> None:
+    error = against(monkeypatch, serve, lambda link: link.metrics_history(timeout=5))
+    assert isinstance(error, envd_link.AnswerTooLarge) and error.code == "guest_answer_too_large"
+    error = against(monkeypatch, serve, lambda link: link.init({"envVars": {}}, timeout=5))
+    assert isinstance(error, envd_link.AnswerTooLarge)
+
+
+def test_a_trickling_answer_ends_at_the_calls_deadline(monkeypatch) -> None:
+    """Each byte comes well within the per-read timeout; the call's total deadline ends it."""
+    monkeypatch.setattr(envd_link, "STREAM_GRACE", 0.5)
+    error = against(monkeypatch, trickle, lambda link: link.metrics_history(timeout=1))
+    assert isinstance(error, envd_link.AnswerTooSlow) and error.code == "guest_answer_too_slow"
+    error = against(monkeypatch, trickle, lambda link: link.run("true", timeout=1))
+    assert isinstance(error, envd_link.AnswerTooSlow)
+
+
+def test_a_guest_that_sends_nothing_is_a_plain_timeout(monkeypatch) -> None:
+    """A starved guest does that too: not the guest's fault, a retryable timeout as before."""
+    error = against(monkeypatch, silent, lambda link: link.metrics_history(timeout=0.5))
+    assert isinstance(error, TimeoutError) and not isinstance(error, envd_link.GuestAnswerError)
+
+
+def test_an_answer_that_is_not_http_is_invalid(monkeypatch) -> None:
+    error = against(monkeypatch, not_http, lambda link: link.metrics_history(timeout=5))
+    assert isinstance(error, envd_link.AnswerInvalid) and error.code == "guest_answer_invalid"
+
+
+def test_a_command_stream_frame_beyond_its_bound_is_refused(monkeypatch) -> None:
+    error = against(monkeypatch, huge_frame, lambda link: link.run("true", timeout=5))
+    assert isinstance(error, envd_link.AnswerTooLarge)
+
+
+def test_samples_keep_their_time_and_numbers_only(monkeypatch) -> None:
+    """What a hostile guest adds to its samples is not kept (they are saved with the sandbox)."""
+    body = b'{"samples": [{"ts": 5, "cpu_used_pct": 1.5, "mem_used": 7, "junk": "' + b"j" * 1000 + b'"},'
+    body += b' {"ts": "6"}, {"ts": 7, "disk_used": [1, 2]}, 8], "next_in": 2}'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+    batches = []
+
+    async def history(link: EnvdLink) -> None:
+        batches.append(await link.metrics_history())
+
+    assert against(monkeypatch, answer, history) is None
+    assert batches == [envd_link.SampleBatch([{"ts": 5, "cpu_used_pct": 1.5, "mem_used": 7}, {"ts": 7}], 2.0)]

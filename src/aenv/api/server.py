@@ -31,6 +31,7 @@ from ..agent.envd import ENVD_VERSION
 from ..cluster.auth import cluster_gate
 from ..cluster.wire import node_route
 from ..orchestrator.errors import (
+    BadGuest,
     Conflict,
     Forbidden,
     InsufficientStorage,
@@ -44,6 +45,7 @@ from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, foll
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
+from ..vmm.serial import NEXT_START_HEADER
 from ..volumes.store import VolumeStore
 from . import openapi, schemas, templates, views, volumes
 from .fusion import Fusion
@@ -69,6 +71,7 @@ STATUS: dict[type[SandboxError], int] = {
     Conflict: 409,
     Unavailable: 503,
     InsufficientStorage: 507,
+    BadGuest: 502,
     OperationFailed: 500,
 }
 
@@ -559,16 +562,19 @@ class NodeAPI:
         return web.json_response({"sandboxes": await self.node.latest_metrics(ids)})
 
     async def sandbox_logs(self, request: web.Request) -> web.Response:
-        """The guest's serial console (kernel, init and envd messages), oldest first."""
+        """A page of the guest's serial console (kernel, init and envd messages), oldest first:
+        `limit` lines from line `start`, counted from the sandbox's first. The node keeps the
+        newest lines only (`aenv.vmm.serial`); `X-Next-Start` is where the next page starts."""
         start = _int_query(request, "start", low=0, high=1 << 62) or 0
         limit = _int_query(request, "limit", low=1, high=100_000) or 1000
         record = await self.node.get(self._id(request))
-        lines = await self.node.logs(record.sandbox_id, start, limit)
+        first, lines = await self.node.logs(record.sandbox_id, start, limit)
         logs = [{"timestamp": record.started_at, "line": line} for line in lines]
         entries = [
             {"timestamp": e["timestamp"], "message": e["line"], "level": "info", "fields": {}} for e in logs
         ]
-        return web.json_response({"logs": logs, "logEntries": entries})
+        headers = {NEXT_START_HEADER: str(first + len(lines))}
+        return web.json_response({"logs": logs, "logEntries": entries}, headers=headers)
 
     async def create_snapshot(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.SnapshotRequest, required=False)

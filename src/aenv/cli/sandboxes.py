@@ -10,6 +10,7 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+from ..vmm.serial import NEXT_START_HEADER
 from . import output, terminal
 from .api import Api
 from .common import api, key_value, output_flag, positive
@@ -275,20 +276,25 @@ def run_fork(args: argparse.Namespace) -> int:
 # -- serial console --------------------------------------------------------------------------
 
 
-def _log_page(client: Api, sandbox_id: str, start: int) -> list[dict[str, Any]]:
+def _log_page(client: Api, sandbox_id: str, start: int) -> tuple[list[dict[str, Any]], int]:
+    """A page of lines from line `start`, and the `start` of the next (the node drops its oldest
+    lines, so a page can begin later than asked)."""
     params = {"start": str(start), "limit": str(LOG_PAGE)}
-    return client.call("GET", _path(sandbox_id, "logs"), params=params).get("logs", [])
+    response = client.request("GET", _path(sandbox_id, "logs"), params=params)
+    return response.json().get("logs", []), int(response.headers.get(NEXT_START_HEADER, start))
 
 
 def run_logs(args: argparse.Namespace) -> int:
-    """`start` is a line offset, so following is a poll for lines past the last one seen."""
+    """Following is a poll for lines past the last one seen."""
     client = api()
     as_json = output.json_mode(args.output)
     entries: list[dict[str, Any]] = []
-    while page := _log_page(client, args.sandbox_id, len(entries)):
+    page, start = _log_page(client, args.sandbox_id, 0)
+    while page:
         entries += page
         if len(page) < LOG_PAGE:
             break
+        page, start = _log_page(client, args.sandbox_id, start)
     shown = entries[-args.tail :] if args.tail else entries
     if as_json and not args.follow:
         output.print_json(shown)
@@ -302,7 +308,7 @@ def run_logs(args: argparse.Namespace) -> int:
     while args.follow:
         time.sleep(1.0)
         try:
-            page = _log_page(client, args.sandbox_id, len(entries))
+            page, start = _log_page(client, args.sandbox_id, start)
         except CLIError as exc:
             if exc.status != 404:
                 raise

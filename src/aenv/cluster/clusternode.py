@@ -516,7 +516,7 @@ class ClusterNode:
                 merged |= answer
         return merged
 
-    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         return await self._on_holder(sandbox_id, lambda node, _: node.logs(sandbox_id, start, limit))
 
     # -- templates and snapshots, cluster-wide -------------------------------------------------

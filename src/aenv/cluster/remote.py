@@ -154,7 +154,7 @@ class RemoteNode:
     async def latest_metrics(self, sandbox_ids: list[str]) -> dict[str, dict[str, Any]]:
         return await self._call("latest_metrics", sandbox_ids=sandbox_ids)
 
-    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         return await self._call("logs", sandbox_id=sandbox_id, start=start, limit=limit)
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:

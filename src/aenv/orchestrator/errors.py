@@ -52,3 +52,8 @@ class OperationFailed(SandboxError):
 
 class InsufficientStorage(SandboxError):
     """The node's disk is below its free-space reserve: nothing that writes state is started."""
+
+
+class BadGuest(SandboxError):
+    """The sandbox's own guest broke a bound the node holds it to (answered too much, too slowly,
+    or not as envd does); `error_code` says which. Only that sandbox's call fails."""

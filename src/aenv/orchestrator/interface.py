@@ -181,7 +181,10 @@ class NodeService(Protocol):
         """The newest `SandboxMetric` of each known sandbox among `sandbox_ids`; unknown ones are left out."""
         ...
 
-    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]: ...
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
+        """`limit` lines of the serial console from line `start` (counted from the sandbox's
+        first), and the number of the first (the oldest kept, for a `start` before it)."""
+        ...
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
         """Templates and snapshots users can see (a fork's internal snapshot is not one)."""

@@ -168,11 +168,10 @@ class LocalNode:
                 known.append(self._sandbox(sandbox_id))
         return await self.orchestrator.latest_metrics(known)
 
-    async def logs(self, sandbox_id: str, start: int, limit: int) -> list[str]:
+    async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
         sandbox = self._sandbox(sandbox_id)
-        lines = await asyncio.to_thread(self._engine.serial_lines, sandbox.id)
-        return lines[start : start + limit]
+        return await asyncio.to_thread(self._engine.serial_lines, sandbox.id, start, limit)
 
     # -- catalog ---------------------------------------------------------------------------
 

@@ -38,12 +38,13 @@ from ..snapshot.repository import (
     SnapshotExists,
     SnapshotNotFound,
 )
-from ..vmm.envd_link import EnvdUnavailable, SampleBatch
+from ..vmm.envd_link import EnvdUnavailable, GuestAnswerError, SampleBatch
 from .admission import Admission, meminfo_mib
 from .errors import (
     NOT_SHARED,
     PAUSE_GONE,
     SNAPSHOT_PENDING,
+    BadGuest,
     Conflict,
     InvalidRequest,
     NotFound,
@@ -590,6 +591,9 @@ class Orchestrator:
                 self._attach(sandbox, await self.engine.resume(state, self._guest_init(record)))
             except SandboxMoved as exc:
                 raise await self._moved(sandbox, exc) from exc
+            except GuestAnswerError as exc:  # its own guest's doing: it stays paused
+                log.warning("resuming sandbox %s failed: %s", record.sandbox_id, exc)
+                raise BadGuest(f"resuming sandbox {record.sandbox_id} failed: {exc}", exc.code) from exc
             except ENGINE_FAILURES as exc:
                 log.exception("resuming sandbox %s failed", record.sandbox_id)
                 raise OperationFailed(f"resuming sandbox {record.sandbox_id} failed: {exc}") from exc
@@ -872,11 +876,16 @@ class Orchestrator:
         return MetricsArchive(self.engine.workdir(sandbox.id))
 
     async def _live_samples(self, sandbox: Sandbox, start: int | None) -> SampleBatch:
-        """The samples in the guest's ring since `start`; none without a VM or if envd does not answer."""
+        """The samples in the guest's ring since `start`; none without a VM or if envd does not
+        answer; `BadGuest` if the guest broke a bound (`aenv.vmm.envd_link`)."""
         if sandbox.vm is None:
             return SampleBatch([], None)
         try:
             return await sandbox.vm.envd.metrics_history(start)
+        except GuestAnswerError as exc:
+            raise BadGuest(
+                f"the guest of sandbox {sandbox.id} answered its metrics wrongly: {exc}", exc.code
+            ) from exc
         except (OSError, RuntimeError, ValueError, KeyError, HTTPException) as exc:
             log.warning("metrics of sandbox %s: envd did not answer: %s", sandbox.id, exc)
             return SampleBatch([], None)
@@ -888,7 +897,11 @@ class Orchestrator:
             return  # the guest has no sample the archive lacks
         archive = self._archive(sandbox)
         previous = newest = archive.newest()
-        batch = await self._live_samples(sandbox, None if newest is None else newest + 1)
+        try:
+            batch = await self._live_samples(sandbox, None if newest is None else newest + 1)
+        except BadGuest as exc:  # its own history is what the guest loses, not its pause
+            log.warning("%s", exc.message)
+            return
         if batch.samples:
             with contextlib.suppress(OSError):
                 archive.add(batch.samples)
@@ -913,7 +926,10 @@ class Orchestrator:
         recent = int(time.time()) - RECENT_SECONDS
 
         async def newest(sandbox: Sandbox) -> dict[str, Any] | None:
-            samples = await self.metrics(sandbox, recent, None) or await self.metrics(sandbox, None, None)
+            try:
+                samples = await self.metrics(sandbox, recent, None) or await self.metrics(sandbox, None, None)
+            except BadGuest:  # that guest's failure, not the others' view
+                return None
             return samples[-1] if samples else None
 
         found = await asyncio.gather(*(newest(s) for s in sandboxes))

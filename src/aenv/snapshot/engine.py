@@ -136,8 +136,8 @@ class SnapshotEngine:
     def sandbox_states(self) -> list[SandboxState]:
         return self.host.sandbox_states()
 
-    def serial_lines(self, sandbox_id: str) -> list[str]:
-        return self.host.serial_lines(sandbox_id)
+    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
+        return self.host.serial_lines(sandbox_id, start, limit)
 
     # -- templates -------------------------------------------------------------------------
 

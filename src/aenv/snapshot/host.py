@@ -26,8 +26,9 @@ from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
 from ..storage.layers import LayerStore
 from ..storage.protocols import Repository, RuntimeResolver
+from ..vmm import serial
 from ..vmm.accel import Accelerator
-from ..vmm.machine import MACHINE_TYPE, QEMU_BINARY, SERIAL_LOG
+from ..vmm.machine import MACHINE_TYPE, QEMU_BINARY
 from .manifest import MachineShape, SnapshotManifest
 from .model import STATE_FILE, EngineError, SandboxState
 
@@ -145,10 +146,7 @@ class Host:
                 states.append(SandboxState.load(state_file.parent))
         return states
 
-    def serial_lines(self, sandbox_id: str) -> list[str]:
-        """The sandbox's serial console so far, across its pauses and resumes."""
-        try:
-            text = (self.workdir(sandbox_id) / SERIAL_LOG).read_text(errors="replace")
-        except FileNotFoundError:
-            return []
-        return [line.rstrip("\r") for line in text.splitlines() if line.strip()]
+    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
+        """A page of the sandbox's serial console, across its pauses and resumes: `limit` lines
+        from line `start`, and the number of the first (`aenv.vmm.serial.read_lines`)."""
+        return serial.read_lines(self.workdir(sandbox_id), start, limit)

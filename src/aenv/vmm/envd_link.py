@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import posixpath
 import time
@@ -21,13 +22,31 @@ import aiohttp
 import h11
 
 from ..agent.envd import ENVD_PORT
-from ..agent.envd.connect import FLAG_END_STREAM, envelope, envelopes
+from ..agent.envd.connect import FLAG_END_STREAM, MessageTooLarge, envelope, envelopes
 from ..clock import rfc3339
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 
 INIT_RETRY_INTERVAL = 0.05
 READ_SIZE = 64 * 1024
 STREAM_CHUNK = 1 << 20
+# What the node reads from a guest is bounded in size per call: the guest's root can replace
+# envd with anything on its port, and a node that read a 1.5 GiB chunked answer whole went from
+# 114 MiB to 4.7 GiB (bounded: 102 to 105 MiB through endless answers to metrics, a pause and a
+# resume, tests/e2e/test_rogue_guest.py). Each bound is several times the largest real answer.
+# /health, /init (empty, or aenv's `volumeMounts`: a few hundred bytes a mount), /files and the
+# error bodies of any call: a few KiB at most.
+SMALL_ANSWER_BYTES = 64 * 1024
+# /metrics/history: its widest real answer (720 samples, an hour at envd's 5 s interval, every
+# number at its widest) is 174 KiB of JSON.
+HISTORY_ANSWER_BYTES = 1024 * 1024
+# One Connect envelope of a command's output stream (the stream itself is handed on as it
+# arrives, never kept): envd reads 32 KiB of output at a time, 44 KiB once in base64 and JSON.
+STREAM_FRAME_BYTES = 1024 * 1024
+# The numbers of an envd metrics sample the node keeps (`aenv.agent.envd.metrics.render`).
+SAMPLE_FIELDS = ("cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache", "disk_used", "disk_total")
+# Seconds a command's stream may outlast its timeout: envd ends the command at the timeout, and
+# its last frames still have to reach the node from a guest that may be starved under TCG.
+STREAM_GRACE = 10.0
 
 
 def utc_timestamp() -> str:
@@ -37,6 +56,42 @@ def utc_timestamp() -> str:
 
 class EnvdUnavailable(RuntimeError):
     """envd did not answer in time."""
+
+
+class GuestAnswerError(Exception):
+    """The guest broke a bound the node holds its answers to; `code` names which. Only its own
+    sandbox's call fails (`aenv.orchestrator.errors.BadGuest`)."""
+
+    code = "guest_answer_invalid"
+
+
+class AnswerInvalid(GuestAnswerError, RuntimeError):
+    """The guest's answer is not the HTTP or Connect an envd speaks."""
+
+
+class AnswerTooLarge(GuestAnswerError, RuntimeError):
+    """The guest's answer was larger than any a real envd gives to that call."""
+
+    code = "guest_answer_too_large"
+
+
+class AnswerTooSlow(GuestAnswerError, TimeoutError):
+    """The guest started answering but had not finished when the call's deadline came (one that
+    trickles bytes forever). A guest that sent nothing at all is a plain `TimeoutError`: a
+    starved guest does that, and the same call succeeds once the node has room."""
+
+    code = "guest_answer_too_slow"
+
+
+def _sample(raw: Any) -> dict[str, Any] | None:
+    """A sample of envd's as the node keeps it: its time and its numbers, nothing else (the
+    samples are saved with the sandbox and merged at every pause, so whatever else a hostile
+    guest put in them would pile up there)."""
+    if not isinstance(raw, dict) or type(raw.get("ts")) is not int:
+        return None
+    return {"ts": raw["ts"]} | {
+        name: value for name in SAMPLE_FIELDS if isinstance(value := raw.get(name), int | float)
+    }
 
 
 class SampleBatch(NamedTuple):
@@ -56,6 +111,7 @@ class _Connection:
         self.writer = writer
         self.timeout = timeout
         self.http = h11.Connection(h11.CLIENT)
+        self.received = 0  # bytes of the guest's answer so far (an answer begun is not a starved guest)
 
     @classmethod
     async def open(cls, network: SandboxNetwork, timeout: float) -> _Connection:
@@ -70,6 +126,7 @@ class _Connection:
         return cls(reader, writer, timeout)
 
     async def send(self, method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+        self.received = 0
         fields = [("Host", GUEST_ADDRESS), ("Content-Length", str(len(body))), *headers.items()]
         request = h11.Request(method=method, target=path, headers=fields)
         # One write: with TCP_NODELAY, each would be a packet of its own, and under TCG each
@@ -106,8 +163,15 @@ class _Connection:
         while isinstance(event := await self._event(), h11.Data):
             yield bytes(event.data)
 
-    async def body(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+    async def body(self, limit: int) -> bytes:
+        """The response's whole body, at most `limit` bytes (else `AnswerTooLarge`)."""
+        chunks, size = [], 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit:
+                raise AnswerTooLarge(f"envd answered more than the {limit} bytes expected")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _event(self) -> h11.Event | type[h11.PAUSED]:
         """The next event; a connection envd closed before answering whole is a
@@ -115,7 +179,9 @@ class _Connection:
         try:
             while (event := self.http.next_event()) is h11.NEED_DATA:
                 async with asyncio.timeout(self.timeout):
-                    self.http.receive_data(await self.reader.read(READ_SIZE))  # b"": closed
+                    data = await self.reader.read(READ_SIZE)  # b"": closed
+                self.received += len(data)
+                self.http.receive_data(data)
         except h11.RemoteProtocolError as exc:
             if self.reader.at_eof():
                 raise ConnectionResetError(f"envd closed the connection: {exc}") from exc
@@ -161,34 +227,48 @@ class EnvdLink:
         body: bytes = b"",
         headers: dict[str, str] | None = None,
         timeout: float = 5.0,
+        limit: int = SMALL_ANSWER_BYTES,
     ) -> tuple[int, bytes]:
-        """One request, on a kept-alive connection when there is one that still works.
+        """One request, on a kept-alive connection when there is one that still works; the whole
+        call ends within `timeout` and reads at most `limit` bytes of body.
 
         envd closes idle connections after a while; a reused one that fails is replaced by a
         fresh one and the request sent again (the requests sent this way are idempotent).
         """
+        deadline = asyncio.get_running_loop().time() + timeout
         while self._idle:
             conn = self._idle.pop()
             conn.timeout = timeout
             try:
-                return await self._exchange(conn, method, path, body, headers)
+                return await self._exchange(conn, deadline, method, path, body, headers, limit)
             except BaseException as exc:
                 conn.close()
                 if isinstance(exc, TimeoutError) or not isinstance(exc, OSError | h11.ProtocolError):
                     raise
-        conn = await _Connection.open(self.network, timeout)
+        async with asyncio.timeout_at(deadline):
+            conn = await _Connection.open(self.network, timeout)
         try:
-            return await self._exchange(conn, method, path, body, headers)
-        except BaseException:
+            return await self._exchange(conn, deadline, method, path, body, headers, limit)
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, h11.ProtocolError):
+                raise AnswerInvalid(f"envd's answer to {method} {path} is not HTTP: {exc}") from exc
             raise
 
     async def _exchange(
-        self, conn: _Connection, method: str, path: str, body: bytes, headers: dict[str, str] | None
+        self,
+        conn: _Connection,
+        deadline: float,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str] | None,
+        limit: int,
     ) -> tuple[int, bytes]:
-        await conn.send(method, path, headers or {}, body)
-        response = await conn.response()
-        answer = await conn.body()
+        async with _answer_by(deadline, conn):
+            await conn.send(method, path, headers or {}, body)
+            response = await conn.response()
+            answer = await conn.body(limit)
         if conn.reusable():
             self._idle.append(conn)
         else:
@@ -202,7 +282,7 @@ class EnvdLink:
     async def healthy(self, timeout: float = 1.0) -> bool:
         try:
             status, _ = await self._request("GET", "/health", timeout=timeout)
-        except (OSError, h11.ProtocolError):
+        except (OSError, h11.ProtocolError, GuestAnswerError):
             return False
         return 200 <= status < 300
 
@@ -244,12 +324,17 @@ class EnvdLink:
     async def metrics_history(self, start: int | None = None, timeout: float = 5.0) -> SampleBatch:
         """The resource samples envd kept since `start` (Unix seconds; None: all), oldest first."""
         path = "/metrics/history" if start is None else f"/metrics/history?start={start}"
-        status, body = await self._request("GET", path, headers=self._headers(), timeout=timeout)
+        status, body = await self._request(
+            "GET", path, headers=self._headers(), timeout=timeout, limit=HISTORY_ANSWER_BYTES
+        )
         if status != 200:
             raise RuntimeError(f"envd /metrics/history answered {status}: {body[:200]!r}")
         answer = json.loads(body)
+        if not isinstance(answer, dict) or not isinstance(samples := answer.get("samples"), list):
+            raise AnswerInvalid(f"envd /metrics/history answered no samples: {body[:200]!r}")
         next_in = answer.get("next_in")
-        return SampleBatch(answer["samples"], float(next_in) if isinstance(next_in, int | float) else None)
+        kept = [sample for raw in samples if (sample := _sample(raw)) is not None]
+        return SampleBatch(kept, float(next_in) if isinstance(next_in, int | float) else None)
 
     async def run(
         self,
@@ -332,7 +417,7 @@ class EnvdLink:
         try:
             await conn.stream(path, self._headers({"Content-Type": "application/octet-stream"}), head, source)
             response = await conn.response()
-            return response.status_code, await conn.body()
+            return response.status_code, await conn.body(SMALL_ANSWER_BYTES)
         finally:
             conn.close()
 
@@ -344,26 +429,58 @@ class EnvdLink:
         timeout: float,
         on_output: Callable[[bytes], None] | None = None,
     ) -> int | None:
-        conn = await _Connection.open(self.network, timeout)
+        """The command's stream, handed on as it arrives; it ends within `timeout` and
+        `STREAM_GRACE` (envd itself ends a foreground command at `timeout`)."""
+        deadline = asyncio.get_running_loop().time() + timeout + STREAM_GRACE
+        async with asyncio.timeout_at(deadline):
+            conn = await _Connection.open(self.network, timeout)
         try:
-            await conn.send("POST", "/process.Process/Start", headers, envelope(message))
-            response = await conn.response()
-            if response.status_code != 200:
-                answer = await conn.body()
-                raise RuntimeError(f"envd Start answered {response.status_code}: {answer[:200]!r}")
-            async for flags, frame in envelopes(conn.chunks()):
-                if flags & FLAG_END_STREAM:
-                    if "error" in frame:
-                        raise RuntimeError(f"envd Start failed: {frame['error']}")
-                    break
-                event = frame.get("event", {})
-                if background and "start" in event:
-                    return None
-                if on_output is not None and "data" in event:
-                    for chunk in event["data"].values():
-                        on_output(base64.b64decode(chunk))
-                if "end" in event:
-                    return int(event["end"].get("exitCode", 0))
-            raise RuntimeError("envd Start ended without an end event")
+            async with _answer_by(deadline, conn):
+                await conn.send("POST", "/process.Process/Start", headers, envelope(message))
+                return await _command_result(conn, background, on_output)
+        except h11.ProtocolError as exc:
+            raise AnswerInvalid(f"envd's answer to Start is not HTTP: {exc}") from exc
+        except MessageTooLarge as exc:
+            raise AnswerTooLarge(f"envd's Start stream: {exc}") from exc
         finally:
             conn.close()
+
+
+async def _command_result(
+    conn: _Connection, background: bool, on_output: Callable[[bytes], None] | None
+) -> int | None:
+    """Read envd's answer to process.Process/Start up to the command's end (or, `background`,
+    its start); its output goes to `on_output`."""
+    response = await conn.response()
+    if response.status_code != 200:
+        answer = await conn.body(SMALL_ANSWER_BYTES)
+        raise RuntimeError(f"envd Start answered {response.status_code}: {answer[:200]!r}")
+    async for flags, frame in envelopes(conn.chunks(), STREAM_FRAME_BYTES):
+        if flags & FLAG_END_STREAM:
+            if "error" in frame:
+                raise RuntimeError(f"envd Start failed: {frame['error']}")
+            break
+        event = frame.get("event", {})
+        if background and "start" in event:
+            return None
+        if on_output is not None and "data" in event:
+            for chunk in event["data"].values():
+                on_output(base64.b64decode(chunk))
+        if "end" in event:
+            return int(event["end"].get("exitCode", 0))
+    raise RuntimeError("envd Start ended without an end event")
+
+
+@contextlib.asynccontextmanager
+async def _answer_by(deadline: float, conn: _Connection) -> AsyncIterator[None]:
+    """Everything inside ends by `deadline` (event loop time): a guest that answers, but too
+    slowly to finish by then, gets `AnswerTooSlow`; one that sent nothing, a plain `TimeoutError`."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            yield
+    except TimeoutError as exc:
+        if conn.received:
+            raise AnswerTooSlow(
+                f"envd was still answering after the call's deadline ({conn.received} bytes)"
+            ) from exc
+        raise

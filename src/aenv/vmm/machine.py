@@ -1,8 +1,9 @@
 """One QEMU `microvm` process: its command line, its QMP monitor and its lifetime.
 
 QEMU gets the tap, its main QMP socket, its recovery monitor's listening socket and its serial
-log as inherited file descriptors, so it needs no network namespace of its own, no polling for
-a socket to appear after spawn, and no right to create files (`aenv.vmm.confine`). It runs in a
+console's listening socket as inherited file descriptors, so it needs no network namespace of its
+own, no polling for a socket to appear after spawn, and no right to create files
+(`aenv.vmm.confine`). The node reads the console into a bounded ring (`aenv.vmm.serial`). It runs in a
 session of its own and outlives the node process; a second monitor on a socket in its
 directory lets a restarted node adopt it. Exit is watched through a pidfd, which works the same
 for processes this node spawned and for adopted ones.
@@ -28,6 +29,7 @@ from qemu.qmp import QMPClient
 
 from . import confine, merge
 from .accel import Accelerator
+from .serial import SERIAL_LOG, SERIAL_SOCKET, SerialPump
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +52,12 @@ def qmp_client(pid: int) -> QMPClient:
 
 
 QEMU_BINARY = os.environ.get("AENV_QEMU", "qemu-system-x86_64")
-SERIAL_LOG = "serial.log"
 RECOVERY_SOCKET = "qmp.sock"
 # File descriptor numbers QEMU finds its inherited sockets at.
 _QMP_FD = 3
 _TAP_FD = 4
 _RECOVERY_FD = 5
 _SERIAL_FD = 6
-_SERIAL_FDSET = 1
 _MEMORY_FD = 7  # a template build's memory file, whose directory QEMU's user may not enter
 TCG_TRANSLATION_CACHE_MIB = 64
 # microvm without the legacy PIT, PIC and RTC: the guest runs on the local APIC timer and TSC
@@ -130,8 +130,7 @@ class MachineConfig:
             "-kernel", str(self.kernel),
             "-initrd", str(self.initramfs),
             "-append", self.cmdline,
-            "-add-fd", f"fd={_SERIAL_FD},set={_SERIAL_FDSET}",
-            "-chardev", f"file,id=serial,path=/dev/fdset/{_SERIAL_FDSET},append=on",
+            "-chardev", f"socket,id=serial,fd={_SERIAL_FD},server=on,wait=off",
             "-serial", "chardev:serial",
             "-chardev", f"socket,id=qmp,fd={qmp_fd}",
             "-mon", "chardev=qmp,mode=control",
@@ -271,38 +270,58 @@ def socket_path(directory: Path, name: str) -> Iterator[str]:
         os.close(fd)
 
 
-def _spawn(argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memory: Path | None) -> int:
+def _listening(workdir: Path, name: str) -> socket.socket:
+    """A Unix socket listening at `workdir/name`, for QEMU to inherit and the node to connect to."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        (workdir / name).unlink(missing_ok=True)
+        with socket_path(workdir, name) as path:
+            sock.bind(path)
+        os.chmod(workdir / name, 0o600)
+        sock.listen(1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _spawn(
+    argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memory: Path | None
+) -> tuple[int, socket.socket]:
     """posix_spawn QEMU in a new session with only the descriptors and environment it needs,
     without transparent huge pages (`_without_huge_pages`) and, with memory merging on, with a
-    fixed layout (`merge.fixed_layout`).
+    fixed layout (`merge.fixed_layout`). Returns its pid and the node's end of its serial console.
 
     `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`). The
-    node opens QEMU's logs and binds its recovery socket, so QEMU never creates a file.
+    node opens QEMU's log and binds its sockets, so QEMU never creates a file. The node connects
+    to the console before QEMU runs, so QEMU accepts it before the guest writes a byte.
     """
     append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    recovery = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        (workdir / RECOVERY_SOCKET).unlink(missing_ok=True)
-        with socket_path(workdir, RECOVERY_SOCKET) as path:
-            recovery.bind(path)
-        os.chmod(workdir / RECOVERY_SOCKET, 0o600)
-        recovery.listen(1)
-        actions: list[tuple[Any, ...]] = [
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, str(workdir / "qemu.log"), append, 0o644),
-            (os.POSIX_SPAWN_DUP2, 1, 2),
-            (os.POSIX_SPAWN_DUP2, qmp_fd, _QMP_FD),
-            (os.POSIX_SPAWN_DUP2, recovery.fileno(), _RECOVERY_FD),
-            (os.POSIX_SPAWN_OPEN, _SERIAL_FD, str(workdir / SERIAL_LOG), append, 0o644),
-        ]
-        if tap_fd is not None:
-            actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
-        if memory is not None:
-            actions.append((os.POSIX_SPAWN_OPEN, _MEMORY_FD, str(memory), os.O_RDWR | os.O_CREAT, 0o644))
-        with _without_huge_pages(), merge.fixed_layout():
-            return os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
-    finally:
-        recovery.close()
+    console = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.ExitStack() as stack:
+        recovery = stack.enter_context(_listening(workdir, RECOVERY_SOCKET))
+        serial = stack.enter_context(_listening(workdir, SERIAL_SOCKET))
+        try:
+            with socket_path(workdir, SERIAL_SOCKET) as path:
+                console.connect(path)  # queued until QEMU accepts it
+            actions: list[tuple[Any, ...]] = [
+                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 1, str(workdir / "qemu.log"), append, 0o644),
+                (os.POSIX_SPAWN_DUP2, 1, 2),
+                (os.POSIX_SPAWN_DUP2, qmp_fd, _QMP_FD),
+                (os.POSIX_SPAWN_DUP2, recovery.fileno(), _RECOVERY_FD),
+                (os.POSIX_SPAWN_DUP2, serial.fileno(), _SERIAL_FD),
+            ]
+            if tap_fd is not None:
+                actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
+            if memory is not None:
+                actions.append((os.POSIX_SPAWN_OPEN, _MEMORY_FD, str(memory), os.O_RDWR | os.O_CREAT, 0o644))
+            with _without_huge_pages(), merge.fixed_layout():
+                pid = os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
+        except BaseException:
+            console.close()
+            raise
+    return pid, console
 
 
 @dataclass
@@ -313,6 +332,7 @@ class VirtualMachine:
     workdir: Path
     process: QemuProcess
     qmp: QMPClient
+    serial: SerialPump | None = None  # None: a QEMU adopted from a node that gave it a log file
 
     @property
     def pid(self) -> int:
@@ -342,7 +362,7 @@ class VirtualMachine:
                 shared.touch()  # QEMU sizes it; the node owns the name
             for path in handed:
                 confinement.hand_over(path, user)
-            pid = _spawn(confinement.command(argv, user), workdir, theirs.fileno(), tap_fd, shared)
+            pid, console = _spawn(confinement.command(argv, user), workdir, theirs.fileno(), tap_fd, shared)
         except BaseException:
             for path in handed:
                 confinement.reclaim(path, user)
@@ -351,19 +371,23 @@ class VirtualMachine:
         finally:
             theirs.close()
         process = QemuProcess(pid, child=True, confinement=confinement, user=user, handed=handed)
+        console.setblocking(False)
+        serial: SerialPump | None = None
         qmp = qmp_client(process.pid)
         try:
+            serial = SerialPump(workdir, console)
             # Before QEMU's monitor answers, so before the guest runs or its RAM is filled.
             confinement.enter(pid, config.vcpus, config.memory_mib)
             await qmp.connect(ours)
         except BaseException as exc:  # also cancellation (a warm-pool refill at node stop): no orphan
             process.kill()
             await asyncio.shield(process.wait())
+            await serial.stop() if serial is not None else console.close()
             if not isinstance(exc, Exception):
                 raise
             raise VMError(f"QEMU did not start ({exc}): {cls._tail(workdir / 'qemu.log')}") from exc
         log.debug("QEMU %d spawned in %.1f ms", process.pid, 1000 * (time.monotonic() - started))
-        return cls(config=config, workdir=workdir, process=process, qmp=qmp)
+        return cls(config=config, workdir=workdir, process=process, qmp=qmp, serial=serial)
 
     @classmethod
     async def adopt(cls, config: MachineConfig, workdir: Path, pid: int) -> VirtualMachine:
@@ -378,7 +402,9 @@ class VirtualMachine:
                 await qmp.connect(path)
         except Exception as exc:
             raise VMError(f"cannot adopt QEMU {pid}: {exc}") from exc
-        return cls(config=config, workdir=workdir, process=process, qmp=qmp)
+        with socket_path(workdir, SERIAL_SOCKET) as path:
+            serial = SerialPump.connect(workdir, path)
+        return cls(config=config, workdir=workdir, process=process, qmp=qmp, serial=serial)
 
     async def command(self, name: str, **arguments: Any) -> Any:
         """Run one QMP command and return its result."""
@@ -423,10 +449,15 @@ class VirtualMachine:
             await self.qmp.disconnect()
         self.process.kill()
         await self.process.wait()
+        if self.serial is not None:
+            await self.serial.stop()
 
     @staticmethod
     def _tail(path: Path, limit: int = 2000) -> str:
+        """The end of a log, read from its end (a guest can make its console long)."""
         try:
-            return path.read_text(errors="replace")[-limit:].strip() or "(no output)"
+            with path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+                return f.read().decode(errors="replace").strip() or "(no output)"
         except OSError:
             return "(no log)"

@@ -101,14 +101,23 @@ def envelope_header(header: bytes) -> tuple[int, int]:
     return flags, length
 
 
-async def envelopes(chunks: AsyncIterable[bytes]) -> AsyncIterator[tuple[int, Message]]:
+class MessageTooLarge(ValueError):
+    """An envelope announced a message larger than its reader takes."""
+
+
+async def envelopes(
+    chunks: AsyncIterable[bytes], limit: int = MAX_MESSAGE_BYTES
+) -> AsyncIterator[tuple[int, Message]]:
     """The envelopes of a streamed body, as it arrives in chunks: each one's flags and JSON
-    message (the host's envd clients read responses with it)."""
+    message (the host's envd clients read responses with it). A message announced larger than
+    `limit` bytes is `MessageTooLarge`, before it is read: the other side may be hostile."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
         while len(buffer) >= ENVELOPE_HEADER:
             flags, size = envelope_header(buffer[:ENVELOPE_HEADER])
+            if size > limit:
+                raise MessageTooLarge(f"a message of {size} bytes, more than the {limit} taken")
             end = ENVELOPE_HEADER + size
             if len(buffer) < end:
                 break
