@@ -30,6 +30,7 @@ FIGURES = (
     "template-build",
     "storage",
     "cluster",
+    "rollout",
 )
 
 
@@ -108,4 +109,13 @@ TARGETS: dict[str, Target] = {
     "cluster-list": _ratio("median", "<=", 2.0),
     # floor: the same creates straight to one node, as many in flight
     "cluster-placement": _ratio("median", ">=", 0.5),
+    # issue 34 (bench.rollouts): tool-call p99 at 64 rollouts at once within 2x one alone's; a
+    # fan-out within 1.2x as many bare restores; a reset no slower than a parked resume; a
+    # rollout that resets its sandbox no slower than one that creates and kills it
+    "rollout-16": _ratio("p99", "<=", 2.0),
+    "rollout-64": _ratio("p99", "<=", 2.0),
+    "rollout-256": _ratio("p99", "<=", 2.0),
+    "rollout-fanout": _ratio("median", "<=", 1.2),
+    "rollout-reset": _ratio("median", "<=", 1.0),
+    "rollout-reuse": _ratio("median", "<=", 1.0),
 }

@@ -28,6 +28,7 @@ from ..storage.layers import LayerStore
 from ..storage.protocols import Repository, RuntimeResolver
 from ..storage.runtime import LocalRuntime
 from ..vmm.accel import Accelerator
+from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
 from .handover import Handover
 from .host import Host
@@ -97,6 +98,7 @@ class SnapshotEngine:
             self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
         )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
+        self.checkpoints = Checkpoints(self.host, clones)
 
     async def close(self) -> None:
         """End the warm VMs and parked processes; running sandboxes are left to the caller.
@@ -180,6 +182,13 @@ class SnapshotEngine:
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         await self.lifecycle.kill(sandbox)
+
+    async def checkpoint(self, sandbox: SandboxVM, name: str | None) -> Checkpoint:
+        return await self.checkpoints.create(sandbox, name)
+
+    async def reset(self, sandbox: SandboxVM, checkpoint: str, init: GuestInit) -> SandboxVM:
+        """The sandbox restored from its checkpoint in a new VM, its old one ended."""
+        return await self.checkpoints.reset(sandbox, checkpoint, init)
 
     async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
         await self.lifecycle.set_policy(sandbox, policy)

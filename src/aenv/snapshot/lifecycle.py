@@ -370,7 +370,11 @@ class Lifecycle:
             kind="snapshot",
             alias=alias,
             created_at=utc_now(),
-            source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
+            source={
+                "sandbox_id": sandbox.sandbox_id,
+                "snapshot_id": origin.id,
+                **({"checkpoint_id": sandbox.state.checkpoint} if sandbox.state.checkpoint else {}),
+            },
             machine=origin.machine,
             memory_image=origin.memory_image,
             memory_deltas=(),
