@@ -30,7 +30,7 @@ from e2b.exceptions import (
 )
 from packaging.version import Version
 
-__all__ = ["checkpoint", "checkpoints", "delete_checkpoint", "fan_out", "reset"]
+__all__ = ["checkpoint", "checkpoints", "delete_checkpoint", "fan_out", "promote", "reset"]
 
 # Errors as the SDK raises them for the same status (anything else is a SandboxException).
 EXCEPTIONS: dict[int, type[SandboxException]] = {
@@ -131,6 +131,15 @@ def checkpoints(sandbox: Sandbox) -> list[dict[str, Any]]:
 def delete_checkpoint(sandbox: Sandbox, checkpoint: str) -> None:
     """Delete a checkpoint by id or name."""
     _call(sandbox.connection_config, "DELETE", _checkpoints(sandbox, checkpoint))
+
+
+def promote(sandbox: Sandbox, checkpoint: str, name: str | None = None) -> str:
+    """Make a snapshot of a checkpoint (id or name); returns its id, which `Sandbox.create` and
+    `fan_out` take (as `name`, if given)."""
+    body = {"name": name} if name else {}
+    return _call(
+        sandbox.connection_config, "POST", _checkpoints(sandbox, checkpoint) + "/snapshot", json=body
+    )["snapshotID"]
 
 
 def reset(sandbox: Sandbox, checkpoint: str) -> None:

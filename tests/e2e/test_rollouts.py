@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -95,6 +96,21 @@ def test_reset_restores_processes_files_and_memory_exactly(sandboxes: Sandboxes)
         rollouts.reset(sandbox, "start")
 
 
+def test_a_checkpoint_becomes_a_snapshot_to_fan_out_from(sandboxes: Sandboxes) -> None:
+    sandbox = sandboxes.create("base")
+    sandbox.files.write("/home/user/prepared.txt", "at the checkpoint")
+    rollouts.checkpoint(sandbox, "prepared")
+    sandbox.files.write("/home/user/prepared.txt", "later")
+    snapshot_id = rollouts.promote(sandbox, "prepared", name=f"cp-{sandboxes.tag}")
+    (child,) = rollouts.fan_out(f"cp-{sandboxes.tag}", 1, metadata={"e2e": sandboxes.tag})
+    assert isinstance(child, Sandbox), child
+    sandboxes.track(child.sandbox_id)
+    assert child.files.read("/home/user/prepared.txt") == "at the checkpoint"
+    assert sandbox.files.read("/home/user/prepared.txt") == "later"  # the source runs on, unchanged
+    child.kill()
+    Sandbox.delete_snapshot(snapshot_id)
+
+
 def test_checkpoint_refusals(node: NodeServer, sandboxes: Sandboxes) -> None:
     sandbox = sandboxes.create("base")
     rollouts.checkpoint(sandbox, "taken")
@@ -161,3 +177,29 @@ def test_fan_out_with_the_cli(node: NodeServer, sandboxes: Sandboxes) -> None:
     for sandbox_id in ids:
         sandboxes.track(sandbox_id)
     assert len(ids) == 2 and all(Sandbox.get_info(i).metadata["e2e"] == sandboxes.tag for i in ids)
+
+
+def _readme_blocks(language: str) -> list[str]:
+    """The README's code blocks of the "Fan-out, checkpoints and reset" section."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### Fan-out, checkpoints and reset", 1)[1].split("\n## ", 1)[0]
+    return [block.split("```", 1)[0] for block in section.split(f"```{language}\n")[1:]]
+
+
+def test_the_readme_examples_work_pasted(node: NodeServer, tmp_path: Path) -> None:
+    (python,) = _readme_blocks("python")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    ran = subprocess.run([sys.executable, "-c", python], env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr
+    assert "solve me" in ran.stdout
+    (shell,) = _readme_blocks("sh")
+    env |= {
+        "AENV_URL": node.url,
+        "AENV_API_KEY": node.key,
+        "PATH": f"{Path(sys.executable).parent}:{env['PATH']}",
+    }
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shell], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.stdout.count('"checkpointID"') == 3  # created, listed, removed (JSON when piped)

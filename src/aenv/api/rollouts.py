@@ -6,6 +6,8 @@
   would have), like the fork's `SandboxForkResult`.
 - `POST /sandboxes/{sandboxID}/checkpoints` (`{"name"}` optional) → 201 `Checkpoint`;
   `GET` lists them, oldest first; `DELETE .../checkpoints/{checkpointID}` (id or name) → 204.
+- `POST /sandboxes/{sandboxID}/checkpoints/{checkpointID}/snapshot` (`{"name"}` optional) → 201
+  with the snapshot (as a sandbox's snapshot answers it), recording the checkpoint in its source.
 - `POST /sandboxes/{sandboxID}/reset` `{"checkpoint": id or name}` → 200 with the sandbox (as
   connect's: same id, tokens and domain).
 
@@ -24,6 +26,7 @@ from pydantic import BaseModel
 
 from ..orchestrator import errors
 from ..orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult, NodeService
+from ..orchestrator.service import catalog_name
 from ..snapshot.checkpoints import Checkpoint
 from . import schemas, views
 
@@ -36,9 +39,15 @@ BODIES: dict[str, type[BaseModel]] = {
     "fan_out": schemas.FanOut,
     "create_checkpoint": schemas.CheckpointRequest,
     "reset": schemas.ResetRequest,
+    "promote_checkpoint": schemas.SnapshotRequest,
 }
 REQUIRED = ("fan_out", "reset")
-SUCCESS = {"fan_out": "201", "create_checkpoint": "201", "delete_checkpoint": "204"}
+SUCCESS = {
+    "fan_out": "201",
+    "create_checkpoint": "201",
+    "delete_checkpoint": "204",
+    "promote_checkpoint": "201",
+}
 KINDS = {kind.__name__: kind for kind in vars(errors).values() if isinstance(kind, type)}
 
 
@@ -67,6 +76,7 @@ def routes(
         ("POST", "/sandboxes/{sandboxID}/checkpoints", api.create_checkpoint),
         ("GET", "/sandboxes/{sandboxID}/checkpoints", api.list_checkpoints),
         ("DELETE", "/sandboxes/{sandboxID}/checkpoints/{checkpointID}", api.delete_checkpoint),
+        ("POST", "/sandboxes/{sandboxID}/checkpoints/{checkpointID}/snapshot", api.promote_checkpoint),
         ("POST", "/sandboxes/{sandboxID}/reset", api.reset),
     ]
 
@@ -110,6 +120,17 @@ class RolloutAPI:
         """Delete a checkpoint (by id or name)"""
         await self.node.delete_checkpoint(request.match_info["sandboxID"], request.match_info["checkpointID"])
         return web.Response(status=204)
+
+    async def promote_checkpoint(self, request: web.Request) -> web.Response:
+        """Make a snapshot of a checkpoint, to start sandboxes from"""
+        body = await self.parse(request, schemas.SnapshotRequest, required=False)
+        if body.memory is False:
+            raise errors.InvalidRequest("a checkpoint's snapshot keeps its memory: memory false is not taken")
+        sandbox_id, checkpoint = request.match_info["sandboxID"], request.match_info["checkpointID"]
+        manifest = await self.node.promote_checkpoint(
+            sandbox_id, checkpoint, body.name and catalog_name(body.name)
+        )
+        return web.json_response(views.snapshot_info(manifest), status=201)
 
     async def reset(self, request: web.Request) -> web.Response:
         """Restore a running sandbox to a checkpoint: same id, URL and tokens"""

@@ -55,6 +55,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     delete.add_argument("sandbox_id")
     delete.add_argument("checkpoints", nargs="+", metavar="checkpoint", help="checkpoint ID or name")
     delete.set_defaults(run=run_delete)
+    promote = actions.add_parser(
+        "snapshot", parents=[output_flag()], help="make a snapshot of a checkpoint, to start sandboxes from"
+    )
+    promote.add_argument("sandbox_id")
+    promote.add_argument("checkpoint", help="checkpoint ID or name")
+    promote.add_argument("--name", help="a name to start sandboxes from (`aenv start <name>`)")
+    promote.set_defaults(run=run_promote)
 
     reset = commands.add_parser(
         "reset", parents=[output_flag()], help="restore a running sandbox to one of its checkpoints"
@@ -96,6 +103,14 @@ def run_delete(args: argparse.Namespace) -> int:
         client.call("DELETE", _checkpoints(args.sandbox_id, name))
     results = [{"checkpointID": name, "deleted": True} for name in args.checkpoints]
     output.done(results, "\n".join(f"Deleted checkpoint {name}" for name in args.checkpoints), args.output)
+    return 0
+
+
+def run_promote(args: argparse.Namespace) -> int:
+    body = {"name": args.name} if args.name else {}
+    path = _checkpoints(args.sandbox_id, args.checkpoint) + "/snapshot"
+    snapshot: dict[str, Any] = api().call("POST", path, json=body)
+    output.done(snapshot, f"Created snapshot {snapshot['snapshotID']}", args.output)
     return 0
 
 

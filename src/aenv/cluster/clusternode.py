@@ -507,6 +507,13 @@ class ClusterNode:
     async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None:
         await self._on_holder(sandbox_id, lambda node, _: node.delete_checkpoint(sandbox_id, checkpoint))
 
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        return await self._on_holder(
+            sandbox_id, lambda node, _: node.promote_checkpoint(sandbox_id, checkpoint, name)
+        )
+
     async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
         return await self._on_holder(sandbox_id, lambda node, _: node.reset(sandbox_id, checkpoint))
 

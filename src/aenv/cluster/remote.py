@@ -163,6 +163,11 @@ class RemoteNode:
     async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None:
         await self._call("delete_checkpoint", sandbox_id=sandbox_id, checkpoint=checkpoint)
 
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        return await self._call("promote_checkpoint", sandbox_id=sandbox_id, checkpoint=checkpoint, name=name)
+
     async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
         return await self._call("reset", sandbox_id=sandbox_id, checkpoint=checkpoint)
 

@@ -216,6 +216,12 @@ class NodeService(Protocol):
 
     async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None: ...
 
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        """A checkpoint of the running sandbox as a snapshot, which sandboxes can start from."""
+        ...
+
     async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
         """Restore the running sandbox to its checkpoint (id or name): same id, URL and tokens."""
         ...

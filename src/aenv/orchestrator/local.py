@@ -174,6 +174,11 @@ class LocalNode:
     async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None:
         await self.orchestrator.delete_checkpoint(self._sandbox(sandbox_id), checkpoint)
 
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        return await self.orchestrator.promote_checkpoint(self._sandbox(sandbox_id), checkpoint, name)
+
     async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
         sandbox = self._sandbox(sandbox_id)
         await self.orchestrator.reset(sandbox, checkpoint)

@@ -644,9 +644,7 @@ class Orchestrator:
         self.admission.check_disk(f"snapshot sandbox {sandbox.id}")
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
-            metadata = {"sandbox_id": sandbox.id}
-            if sandbox.record.volume_mounts:
-                metadata[VOLUMES_MARK] = "mounted"
+            metadata = self._snapshot_metadata(sandbox)
             try:
                 # Answered once captured on this node; committed in the background (`snapshot.pending`).
                 return await self.engine.snapshot(
@@ -685,6 +683,26 @@ class Orchestrator:
             except CheckpointNotFound as exc:
                 raise NotFound(str(exc)) from exc
 
+    async def promote_checkpoint(
+        self, sandbox: Sandbox, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        """A checkpoint of the running sandbox as a snapshot (as `snapshot` answers one)."""
+        self.admission.check_disk(f"snapshot a checkpoint of sandbox {sandbox.id}")
+        async with self._operation(sandbox, Op.SNAPSHOT):
+            assert sandbox.vm is not None
+            try:
+                return await self.engine.promote(
+                    sandbox.vm, checkpoint, name, self._snapshot_metadata(sandbox)
+                )
+            except CheckpointNotFound as exc:
+                raise NotFound(str(exc)) from exc
+            except InvalidName as exc:
+                raise InvalidRequest(str(exc)) from exc
+            except (AliasConflict, SnapshotExists) as exc:
+                raise Conflict(str(exc)) from exc
+            except ENGINE_FAILURES as exc:
+                raise OperationFailed(f"snapshot of a checkpoint of {sandbox.id} failed: {exc}") from exc
+
     async def reset(self, sandbox: Sandbox, checkpoint: str) -> None:
         """Restore the running sandbox to a checkpoint in a new VM; a reset that fails leaves it
         running as it was."""
@@ -705,6 +723,13 @@ class Orchestrator:
             except ENGINE_FAILURES as exc:
                 failed = f"sandbox {sandbox.id} was reset, but its volumes were not mounted: {exc}"
                 raise OperationFailed(failed) from exc
+
+    def _snapshot_metadata(self, sandbox: Sandbox) -> dict[str, str]:
+        """A snapshot's metadata: its sandbox, and whether the guest held volume mounts."""
+        metadata = {"sandbox_id": sandbox.id}
+        if sandbox.record.volume_mounts:
+            metadata[VOLUMES_MARK] = "mounted"
+        return metadata
 
     def _snapshot_failed(self, manifest: SnapshotManifest) -> None:
         """A snapshot answered earlier failed to commit: unseal the disk layer it sealed, as soon as

@@ -104,6 +104,11 @@ class Checkpoints:
                 return checkpoint
         raise CheckpointNotFound(f"sandbox {sandbox_id} has no checkpoint {reference[:80]!r}")
 
+    def files(self, sandbox_id: str, checkpoint: Checkpoint) -> tuple[Path, Path]:
+        """The checkpoint's device state and delta layer."""
+        directory = self._root(sandbox_id) / checkpoint.checkpoint_id
+        return directory / "state.devices", directory / "state.delta"
+
     async def create(self, sandbox: SandboxVM, name: str | None) -> Checkpoint:
         """Capture the running sandbox (stopped only meanwhile, as a snapshot's capture)."""
         existing = self.list(sandbox.sandbox_id)
@@ -174,6 +179,7 @@ class Checkpoints:
         if checkpoint.snapshot_id != sandbox.state.snapshot_id:
             raise EngineError(f"checkpoint {checkpoint.checkpoint_id} is over another snapshot")
         directory = self._root(sandbox.sandbox_id) / checkpoint.checkpoint_id
+        devices, delta = self.files(sandbox.sandbox_id, checkpoint)
         old = sandbox.state
         manifest = sandbox.manifest
         top = await self.host.layers.create_upper(checkpoint.disk_layers[-1])
@@ -181,9 +187,9 @@ class Checkpoints:
         state.checkpoint, state.network_name = checkpoint.checkpoint_id, f"aenv-{old.sandbox_id}"
         stream = directory / "reset.vmstate"
         prefix = self.host.runtime.vmstate_prefix(manifest)
-        stream.write_bytes(devstate.splice(prefix, (directory / "state.devices").read_bytes()))
+        stream.write_bytes(devstate.splice(prefix, devices.read_bytes()))
         try:
-            fresh = await self.clones.launch(state, manifest, [directory / "state.delta"], stream, init)
+            fresh = await self.clones.launch(state, manifest, [delta], stream, init)
         except BaseException:
             self.host.layers.remove(top)
             old.save(self.host.workdir(old.sandbox_id))

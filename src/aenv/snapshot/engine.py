@@ -186,6 +186,14 @@ class SnapshotEngine:
     async def checkpoint(self, sandbox: SandboxVM, name: str | None) -> Checkpoint:
         return await self.checkpoints.create(sandbox, name)
 
+    async def promote(
+        self, sandbox: SandboxVM, checkpoint: str, alias: str | None, metadata: dict[str, str]
+    ) -> SnapshotManifest:
+        """A checkpoint of the running sandbox as a snapshot (answered pending, committed after)."""
+        found = self.checkpoints.get(sandbox.sandbox_id, checkpoint)
+        files = self.checkpoints.files(sandbox.sandbox_id, found)
+        return await self.lifecycle.promote(sandbox, found, files, alias, metadata)
+
     async def reset(self, sandbox: SandboxVM, checkpoint: str, init: GuestInit) -> SandboxVM:
         """The sandbox restored from its checkpoint in a new VM, its old one ended."""
         return await self.checkpoints.reset(sandbox, checkpoint, init)
