@@ -15,7 +15,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from http.client import HTTPException
@@ -645,17 +645,11 @@ class Orchestrator:
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
             metadata = self._snapshot_metadata(sandbox)
-            try:
+            with engine_errors(f"snapshot of sandbox {sandbox.id}"):
                 # Answered once captured on this node; committed in the background (`snapshot.pending`).
                 return await self.engine.snapshot(
                     sandbox.vm, alias=name, metadata=metadata, memory=memory, wait=False
                 )
-            except InvalidName as exc:
-                raise InvalidRequest(str(exc)) from exc
-            except (AliasConflict, SnapshotExists) as exc:
-                raise Conflict(str(exc)) from exc
-            except ENGINE_FAILURES as exc:
-                raise OperationFailed(f"snapshot of sandbox {sandbox.id} failed: {exc}") from exc
 
     # -- checkpoints and reset (`aenv.snapshot.checkpoints`) ---------------------------------
 
@@ -664,24 +658,16 @@ class Orchestrator:
         self.admission.check_disk(f"checkpoint sandbox {sandbox.id}")
         async with self._operation(sandbox, Op.CHECKPOINT):
             assert sandbox.vm is not None
-            try:
+            with engine_errors(f"checkpoint of sandbox {sandbox.id}"):
                 return await self.engine.checkpoint(sandbox.vm, name)
-            except InvalidCheckpoint as exc:
-                raise InvalidRequest(str(exc)) from exc
-            except CheckpointConflict as exc:
-                raise Conflict(str(exc)) from exc
-            except ENGINE_FAILURES as exc:
-                raise OperationFailed(f"checkpoint of sandbox {sandbox.id} failed: {exc}") from exc
 
     def checkpoints(self, sandbox: Sandbox) -> list[Checkpoint]:
         return self.engine.checkpoints.list(sandbox.id)
 
     async def delete_checkpoint(self, sandbox: Sandbox, checkpoint: str) -> None:
         async with sandbox.lock:
-            try:
+            with engine_errors(f"deleting a checkpoint of sandbox {sandbox.id}"):
                 self.engine.checkpoints.delete(sandbox.id, checkpoint)
-            except CheckpointNotFound as exc:
-                raise NotFound(str(exc)) from exc
 
     async def promote_checkpoint(
         self, sandbox: Sandbox, checkpoint: str, name: str | None
@@ -690,31 +676,17 @@ class Orchestrator:
         self.admission.check_disk(f"snapshot a checkpoint of sandbox {sandbox.id}")
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
-            try:
-                return await self.engine.promote(
-                    sandbox.vm, checkpoint, name, self._snapshot_metadata(sandbox)
-                )
-            except CheckpointNotFound as exc:
-                raise NotFound(str(exc)) from exc
-            except InvalidName as exc:
-                raise InvalidRequest(str(exc)) from exc
-            except (AliasConflict, SnapshotExists) as exc:
-                raise Conflict(str(exc)) from exc
-            except ENGINE_FAILURES as exc:
-                raise OperationFailed(f"snapshot of a checkpoint of {sandbox.id} failed: {exc}") from exc
+            with engine_errors(f"snapshot of a checkpoint of sandbox {sandbox.id}"):
+                metadata = self._snapshot_metadata(sandbox)
+                return await self.engine.promote(sandbox.vm, checkpoint, name, metadata)
 
     async def reset(self, sandbox: Sandbox, checkpoint: str) -> None:
         """Restore the running sandbox to a checkpoint in a new VM; a reset that fails leaves it
         running as it was."""
         async with self._operation(sandbox, Op.RESET):
             assert sandbox.vm is not None
-            try:
+            with engine_errors(f"resetting sandbox {sandbox.id}"):
                 vm = await self.engine.reset(sandbox.vm, checkpoint, self._guest_init(sandbox.record))
-            except CheckpointNotFound as exc:
-                raise NotFound(str(exc)) from exc
-            except ENGINE_FAILURES as exc:
-                log.exception("resetting sandbox %s failed", sandbox.id)
-                raise OperationFailed(f"resetting sandbox {sandbox.id} failed: {exc}") from exc
             self.on_stopped(sandbox.id)  # its connections went to the old VM
             await self._unmount_volumes(sandbox)
             self._attach(sandbox, vm)
@@ -1034,6 +1006,23 @@ class Orchestrator:
                 )
             except SandboxError as exc:
                 log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc.message)
+
+
+@contextlib.contextmanager
+def engine_errors(what: str) -> Iterator[None]:
+    """The snapshot engine's refusals and failures of a snapshot, checkpoint or reset as the node
+    service's kinds; `what` names the operation in a failure's message."""
+    try:
+        yield
+    except (InvalidName, InvalidCheckpoint) as exc:
+        raise InvalidRequest(str(exc)) from exc
+    except (AliasConflict, SnapshotExists, CheckpointConflict) as exc:
+        raise Conflict(str(exc)) from exc
+    except CheckpointNotFound as exc:
+        raise NotFound(str(exc)) from exc
+    except ENGINE_FAILURES as exc:
+        log.warning("%s failed: %s", what, exc)
+        raise OperationFailed(f"{what} failed: {exc}") from exc
 
 
 def _start_failure(exc: Exception) -> SandboxError:
