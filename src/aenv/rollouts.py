@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from e2b import ConnectionConfig, Sandbox
+from e2b import AsyncSandbox, ConnectionConfig, Sandbox
 from e2b.exceptions import (
     InvalidArgumentException,
     NotFoundException,
@@ -30,7 +30,17 @@ from e2b.exceptions import (
 )
 from packaging.version import Version
 
-__all__ = ["checkpoint", "checkpoints", "delete_checkpoint", "fan_out", "promote", "reset"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_async",
+    "checkpoints",
+    "delete_checkpoint",
+    "fan_out",
+    "fan_out_async",
+    "promote",
+    "reset",
+    "reset_async",
+]
 
 # Errors as the SDK raises them for the same status (anything else is a SandboxException).
 EXCEPTIONS: dict[int, type[SandboxException]] = {
@@ -45,13 +55,17 @@ def _error(status: int, message: str) -> SandboxException:
     return EXCEPTIONS.get(status, SandboxException)(f"{status}: {message}")
 
 
-def _call(
-    config: ConnectionConfig, method: str, path: str, timeout: float | None = None, **kwargs: Any
-) -> Any:
-    """One call to the API; its error answer raised as the SDK's exception for that status."""
+def _request(
+    config: ConnectionConfig, method: str, path: str, timeout: float | None, **kwargs: Any
+) -> httpx.Request:
     headers = {**config.headers, "X-API-Key": config.api_key or ""}
     seconds = timeout if timeout is not None else config.request_timeout
-    response = httpx.request(method, config.api_url + path, headers=headers, timeout=seconds, **kwargs)
+    extensions = {"timeout": httpx.Timeout(seconds).as_dict()}
+    return httpx.Request(method, config.api_url + path, headers=headers, extensions=extensions, **kwargs)
+
+
+def _answer(response: httpx.Response) -> Any:
+    """The answer's JSON; an error answer raised as the SDK's exception for that status."""
     if response.status_code >= 400:
         try:
             message = response.json().get("message", response.text)
@@ -61,12 +75,27 @@ def _call(
     return response.json() if response.content else None
 
 
-def _sandbox(view: dict[str, Any], opts: dict[str, Any]) -> Sandbox:
-    """The SDK's `Sandbox` for a sandbox as create answers it (as `Sandbox.fork` builds them)."""
+def _call(
+    config: ConnectionConfig, method: str, path: str, timeout: float | None = None, **kwargs: Any
+) -> Any:
+    with httpx.Client() as client:
+        return _answer(client.send(_request(config, method, path, timeout, **kwargs)))
+
+
+async def _call_async(
+    config: ConnectionConfig, method: str, path: str, timeout: float | None = None, **kwargs: Any
+) -> Any:
+    async with httpx.AsyncClient() as client:
+        return _answer(await client.send(_request(config, method, path, timeout, **kwargs)))
+
+
+def _sandbox(view: dict[str, Any], opts: dict[str, Any], kind: type[Any]) -> Any:
+    """The SDK's `Sandbox` (or `AsyncSandbox`) for a sandbox as create answers it, built as
+    `Sandbox.fork` builds its children."""
     headers = {"E2b-Sandbox-Id": view["sandboxID"], "E2b-Sandbox-Port": str(ConnectionConfig.envd_port)}
     if view.get("envdAccessToken"):
         headers["X-Access-Token"] = view["envdAccessToken"]
-    return Sandbox(
+    return kind(
         sandbox_id=view["sandboxID"],
         sandbox_domain=view.get("domain"),
         envd_version=Version(view["envdVersion"]),
@@ -76,42 +105,58 @@ def _sandbox(view: dict[str, Any], opts: dict[str, Any]) -> Sandbox:
     )
 
 
-def fan_out(
-    template: str,
-    count: int,
-    *,
-    timeout: int | None = None,
-    metadata: dict[str, str] | None = None,
-    envs: dict[str, str] | None = None,
-    allow_internet_access: bool | None = None,
-    network: dict[str, Any] | None = None,
-    volume_mounts: list[dict[str, str]] | None = None,
-    idempotency_key: str | None = None,
-    **opts: Any,
-) -> list[Sandbox | SandboxException]:
-    """Start `count` (1-1,000) sandboxes from a template or snapshot in one call.
+# `fan_out`'s create options and their names on the wire.
+CREATE_OPTIONS = {
+    "timeout": "timeout", "metadata": "metadata", "envs": "envVars", "network": "network",
+    "allow_internet_access": "allow_internet_access", "volume_mounts": "volumeMounts",
+    "idempotency_key": "idempotencyKey",
+}  # fmt: skip
 
-    One entry per sandbox, in order: its `Sandbox`, or the exception its create would have
-    raised (each one succeeds or fails alone, as `Sandbox.fork`'s children). With an
-    `idempotency_key`, calling again (after a timeout, say) returns the same sandboxes.
-    `network` and `volume_mounts` are the API's spellings (`{"allowOut": [...]}`,
-    `[{"name": volume, "path": "/mnt/data"}]`); `opts` are the SDK's (`api_key`, `domain`, ...).
-    """
+
+def _fan_out(template: str, count: int, options: dict[str, Any]) -> tuple[ConnectionConfig, dict[str, Any]]:
+    """The connection (from the SDK's options among `options`) and the body of a fan-out."""
     body: dict[str, Any] = {"templateID": template, "count": count}
-    optional = {
-        "timeout": timeout, "metadata": metadata, "envVars": envs, "network": network,
-        "allow_internet_access": allow_internet_access, "volumeMounts": volume_mounts,
-        "idempotencyKey": idempotency_key,
-    }  # fmt: skip
-    body.update({key: value for key, value in optional.items() if value is not None})
-    results = _call(ConnectionConfig(**opts), "POST", "/sandboxes/fanout", FAN_OUT_TIMEOUT, json=body)
+    body.update({CREATE_OPTIONS[k]: v for k, v in options.items() if k in CREATE_OPTIONS and v is not None})
+    return ConnectionConfig(**_sdk_options(options)), body
+
+
+def _sdk_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in CREATE_OPTIONS}
+
+
+def _fanned_out(results: list[dict[str, Any]], options: dict[str, Any], kind: type[Any]) -> list[Any]:
+    opts = _sdk_options(options)
     return [
-        _sandbox(r["sandbox"], opts) if "sandbox" in r else _error(r["error"]["code"], r["error"]["message"])
+        _sandbox(r["sandbox"], opts, kind)
+        if "sandbox" in r
+        else _error(r["error"]["code"], r["error"]["message"])
         for r in results
     ]
 
 
-def _checkpoints(sandbox: Sandbox, checkpoint: str = "") -> str:
+def fan_out(template: str, count: int, **options: Any) -> list[Sandbox | SandboxException]:
+    """Start `count` (1-1,000) sandboxes from a template or snapshot in one call.
+
+    One entry per sandbox, in order: its `Sandbox`, or the exception its create would have
+    raised (each one succeeds or fails alone, as `Sandbox.fork`'s children). The create options
+    are `timeout`, `metadata`, `envs`, `allow_internet_access`, `network` and `volume_mounts`
+    (the last two in the API's spelling: `{"allowOut": [...]}`, `[{"name": volume, "path":
+    "/mnt/data"}]`); with an `idempotency_key`, calling again (after a timeout, say) returns the
+    same sandboxes. Other keyword arguments are the SDK's (`api_key`, `domain`, `api_url`, ...).
+    """
+    config, body = _fan_out(template, count, options)
+    results = _call(config, "POST", "/sandboxes/fanout", FAN_OUT_TIMEOUT, json=body)
+    return _fanned_out(results, options, Sandbox)
+
+
+async def fan_out_async(template: str, count: int, **options: Any) -> list[AsyncSandbox | SandboxException]:
+    """`fan_out` for asyncio code: the same options, `AsyncSandbox` objects."""
+    config, body = _fan_out(template, count, options)
+    results = await _call_async(config, "POST", "/sandboxes/fanout", FAN_OUT_TIMEOUT, json=body)
+    return _fanned_out(results, options, AsyncSandbox)
+
+
+def _checkpoints(sandbox: Sandbox | AsyncSandbox, checkpoint: str = "") -> str:
     path = f"/sandboxes/{sandbox.sandbox_id}/checkpoints"
     return f"{path}/{checkpoint}" if checkpoint else path
 
@@ -121,6 +166,12 @@ def checkpoint(sandbox: Sandbox, name: str | None = None) -> dict[str, Any]:
     `name`, `parent`, `createdAt`, ...). Kept while the sandbox lives."""
     body = {"name": name} if name else {}
     return _call(sandbox.connection_config, "POST", _checkpoints(sandbox), json=body)
+
+
+async def checkpoint_async(sandbox: AsyncSandbox, name: str | None = None) -> dict[str, Any]:
+    """`checkpoint` for asyncio code."""
+    body = {"name": name} if name else {}
+    return await _call_async(sandbox.connection_config, "POST", _checkpoints(sandbox), json=body)
 
 
 def checkpoints(sandbox: Sandbox) -> list[dict[str, Any]]:
@@ -137,18 +188,19 @@ def promote(sandbox: Sandbox, checkpoint: str, name: str | None = None) -> str:
     """Make a snapshot of a checkpoint (id or name); returns its id, which `Sandbox.create` and
     `fan_out` take (as `name`, if given)."""
     body = {"name": name} if name else {}
-    return _call(
-        sandbox.connection_config, "POST", _checkpoints(sandbox, checkpoint) + "/snapshot", json=body
-    )["snapshotID"]
+    path = _checkpoints(sandbox, checkpoint) + "/snapshot"
+    return _call(sandbox.connection_config, "POST", path, json=body)["snapshotID"]
 
 
 def reset(sandbox: Sandbox, checkpoint: str) -> None:
     """Restore the running sandbox to a checkpoint (id or name): every process, file and memory
     page as they were then, its clock set to now. The `Sandbox` object stays valid: same id,
     URL and token."""
-    _call(
-        sandbox.connection_config,
-        "POST",
-        f"/sandboxes/{sandbox.sandbox_id}/reset",
-        json={"checkpoint": checkpoint},
-    )
+    path = f"/sandboxes/{sandbox.sandbox_id}/reset"
+    _call(sandbox.connection_config, "POST", path, json={"checkpoint": checkpoint})
+
+
+async def reset_async(sandbox: AsyncSandbox, checkpoint: str) -> None:
+    """`reset` for asyncio code."""
+    path = f"/sandboxes/{sandbox.sandbox_id}/reset"
+    await _call_async(sandbox.connection_config, "POST", path, json={"checkpoint": checkpoint})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import NotFoundException, Sandbox
+from e2b import AsyncSandbox, NotFoundException, Sandbox
 from e2b.exceptions import SandboxException
 
 from aenv import rollouts
@@ -168,6 +169,21 @@ def test_fan_out_returns_sdk_sandboxes_once_per_key(node: NodeServer, sandboxes:
     assert all(isinstance(r, NotFoundException) for r in missing), missing
     with pytest.raises(SandboxException, match="400"):
         rollouts.fan_out("base", 1001)
+
+
+def test_fan_out_checkpoint_and_reset_from_asyncio(sandboxes: Sandboxes) -> None:
+    async def rollout() -> tuple[str, str]:
+        (sandbox,) = await rollouts.fan_out_async("base", 1, metadata={"e2e": sandboxes.tag})
+        assert isinstance(sandbox, AsyncSandbox), sandbox
+        sandboxes.track(sandbox.sandbox_id)
+        await sandbox.files.write("/home/user/a.txt", "first")
+        await rollouts.checkpoint_async(sandbox, "a")
+        await sandbox.files.write("/home/user/a.txt", "second")
+        await rollouts.reset_async(sandbox, "a")
+        return sandbox.sandbox_id, await sandbox.files.read("/home/user/a.txt")
+
+    sandbox_id, content = asyncio.run(rollout())
+    assert content == "first" and Sandbox.get_info(sandbox_id).state.value == "running"
 
 
 def test_fan_out_with_the_cli(node: NodeServer, sandboxes: Sandboxes) -> None:
