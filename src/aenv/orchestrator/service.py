@@ -667,7 +667,8 @@ class Orchestrator:
     async def delete_checkpoint(self, sandbox: Sandbox, checkpoint: str) -> None:
         async with sandbox.lock:
             with engine_errors(f"deleting a checkpoint of sandbox {sandbox.id}"):
-                self.engine.checkpoints.delete(sandbox.id, checkpoint)
+                state = sandbox.vm.state if sandbox.vm is not None else None
+                self.engine.checkpoints.delete(sandbox.id, checkpoint, state)
 
     async def promote_checkpoint(
         self, sandbox: Sandbox, checkpoint: str, name: str | None

@@ -40,7 +40,7 @@ from . import devstate, memory
 from .clones import Clones
 from .host import Host
 from .manifest import utc_now
-from .model import EngineError, GuestInit, SandboxVM
+from .model import EngineError, GuestInit, SandboxState, SandboxVM
 
 CHECKPOINTS_DIR = "checkpoints"
 RECORD = "checkpoint.json"
@@ -160,12 +160,13 @@ class Checkpoints:
         if any(c.name == name for c in existing):
             raise CheckpointConflict(f"the sandbox has a checkpoint named {name!r} already")
 
-    def delete(self, sandbox_id: str, reference: str) -> Checkpoint:
+    def delete(self, sandbox_id: str, reference: str, state: SandboxState | None = None) -> Checkpoint:
         """Remove a checkpoint; its disk layers stay while the sandbox or another checkpoint uses
-        them (the node's garbage collection removes them after that)."""
+        them (the node's garbage collection removes them after that). `state`: the running
+        sandbox's, which it saves again later (else the saved one is updated)."""
         checkpoint = self.get(sandbox_id, reference)
         shutil.rmtree(self._root(sandbox_id) / checkpoint.checkpoint_id)
-        state = self.host.load_state(sandbox_id)
+        state = state or self.host.load_state(sandbox_id)
         state.kept_layers = sorted({layer for c in self.list(sandbox_id) for layer in c.disk_layers})
         state.save(self.host.workdir(sandbox_id))
         return checkpoint
