@@ -46,6 +46,7 @@ CHECKPOINTS_DIR = "checkpoints"
 RECORD = "checkpoint.json"
 MAX_CHECKPOINTS = 64  # per sandbox: each holds a delta layer and a disk layer on the node's disk
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ID = re.compile(r"cp[0-9a-f]{16}")
 
 
 class CheckpointNotFound(LookupError):
@@ -76,7 +77,7 @@ class Checkpoint:
 
 
 def _new_id() -> str:
-    return "cp" + secrets.token_hex(8)
+    return "cp" + secrets.token_hex(8)  # of the form `ID`
 
 
 class Checkpoints:
@@ -152,10 +153,10 @@ class Checkpoints:
             raise CheckpointConflict(f"a sandbox keeps at most {MAX_CHECKPOINTS} checkpoints: delete one")
         if name is None:
             return
-        if not NAME.fullmatch(name) or name.startswith("cp"):
+        if not NAME.fullmatch(name) or ID.fullmatch(name):
             raise InvalidCheckpoint(
-                "a checkpoint name is 1-64 of [A-Za-z0-9._-], starting with a letter or digit, "
-                f"and not with 'cp' (checkpoint ids do): {name[:80]!r}"
+                "a checkpoint name is 1-64 of [A-Za-z0-9._-], starting with a letter or digit, and "
+                f"not of a checkpoint id's form (cp and 16 hex digits): {name[:80]!r}"
             )
         if any(c.name == name for c in existing):
             raise CheckpointConflict(f"the sandbox has a checkpoint named {name!r} already")
