@@ -89,6 +89,17 @@ class NodeClient:
             child["sandbox"] for child in await self._call("POST", f"/sandboxes/{sandbox_id}/fork", 201, body)
         ]
 
+    async def fan_out(self, template: str, count: int, key: str) -> list[dict[str, Any]]:
+        """aenv's fan-out: one entry per sandbox, `{"sandbox": ...}` or `{"error": ...}`."""
+        body = {"templateID": template, "count": count, "timeout": DEFAULT_TIMEOUT, "idempotencyKey": key}
+        return await self._call("POST", "/sandboxes/fanout", 201, body)
+
+    async def checkpoint(self, sandbox_id: str, name: str) -> dict[str, Any]:
+        return await self._call("POST", f"/sandboxes/{sandbox_id}/checkpoints", 201, {"name": name})
+
+    async def reset(self, sandbox_id: str, checkpoint: str) -> dict[str, Any]:
+        return await self._call("POST", f"/sandboxes/{sandbox_id}/reset", 200, {"checkpoint": checkpoint})
+
     async def template(self, reference: str) -> dict[str, Any]:
         return await self._call("GET", f"/templates/{reference}", 200)
 

@@ -32,6 +32,7 @@ from aenv.snapshot.repository import SnapshotRepository
 from aenv.storage.layers import LayerStore
 from aenv.storage.runtime import LocalRuntime
 from aenv.vmm import migration
+from aenv.vmm.envd_link import EnvdLink
 from aenv.vmm.launcher import create_upper_layer, guest_machine
 from aenv.vmm.machine import MachineConfig, MemoryMode, VirtualMachine
 
@@ -111,6 +112,33 @@ class FloorLab:
         started = time.perf_counter()
         clones = await asyncio.gather(*(self._restore(*p) for p in prepared))
         return list(clones), (time.perf_counter() - started) * 1000
+
+    async def restore_and_run_many(self, count: int) -> float:
+        """`count` clones restored at once, each then running `true` through its envd (from its
+        namespace, as the node reaches a guest): wall clock until the last command ended (ms).
+        Under TCG this is mostly each new process translating the guest's code; the clones are
+        discarded after."""
+        prepared = [await self._prepare() for _ in range(count)]
+        started = time.perf_counter()
+
+        async def restore_and_run(disk: Path, network: SandboxNetwork, workdir: Path) -> Clone:
+            clone = await self._restore(disk, network, workdir)
+            envd = EnvdLink(network)
+            try:
+                if await envd.run("true", timeout=INCOMING_TIMEOUT) != 0:
+                    raise BenchError("`true` failed in a bare clone")
+            finally:
+                envd.close()
+            return clone
+
+        clones = await asyncio.gather(*(restore_and_run(*p) for p in prepared), return_exceptions=True)
+        wall = (time.perf_counter() - started) * 1000
+        for clone in clones:
+            if isinstance(clone, Clone):
+                await self.discard(clone)
+        if failed := [c for c in clones if isinstance(c, BaseException)]:
+            raise BenchError(f"{len(failed)} of {count} bare clones did not run a command: {failed[0]}")
+        return wall
 
     async def save(self, clone: Clone) -> float:
         """QMP `stop` + `xen-save-devices-state` of a running clone (ms)."""

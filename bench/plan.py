@@ -34,6 +34,10 @@ class Plan:
     cluster_sandboxes: int  # on the light nodes: created for the placement figure, then listed
     cluster_list: int  # walks over all pages, through the gateway and directly
     fusion: int  # rounds of 32 /run_code requests at once, alternating with as many commands.run
+    rollout_counts: tuple[int, ...]  # concurrent rollouts (bench.rollouts), after one alone
+    rollout_rounds: int  # rollouts each concurrent worker runs, one after the other
+    rollout_fan_out: int  # sandboxes of the fan-out figure
+    rollout_resets: int  # samples of reset, parked resume, and reuse against create-and-kill
 
 
 MODES: dict[str, Plan] = {
@@ -42,7 +46,8 @@ MODES: dict[str, Plan] = {
         floor_samples=2, create=2, pause_resume=2, released=1, dirty_mib=64, snapshot=1,
         snapshot_write_mib=64, fork=1, fork_count=4, concurrent=4, loaded_idle=2, loaded=2, proxy_rtt=5,
         throughput_mib=16, throughput_rounds=1, density=4, density_idle_s=2, soak=3, template_build=1,
-        cluster_create=2, cluster_sandboxes=60, cluster_list=2, fusion=1,
+        cluster_create=2, cluster_sandboxes=60, cluster_list=2, fusion=1, rollout_counts=(4,),
+        rollout_rounds=1, rollout_fan_out=8, rollout_resets=2,
     ),
     "quick": Plan(
         figures=FIGURES,
@@ -50,6 +55,7 @@ MODES: dict[str, Plan] = {
         snapshot_write_mib=1024, fork=1, fork_count=16, concurrent=16, loaded_idle=16, loaded=5,
         proxy_rtt=30, throughput_mib=256, throughput_rounds=2, density=24, density_idle_s=10, soak=10,
         template_build=1, cluster_create=10, cluster_sandboxes=1000, cluster_list=5, fusion=3,
+        rollout_counts=(16, 64), rollout_rounds=1, rollout_fan_out=100, rollout_resets=5,
     ),
     "full": Plan(
         figures=FIGURES,
@@ -57,5 +63,6 @@ MODES: dict[str, Plan] = {
         snapshot_write_mib=1024, fork=3, fork_count=16, concurrent=50, loaded_idle=200, loaded=10,
         proxy_rtt=100, throughput_mib=1024, throughput_rounds=3, density=500, density_idle_s=60, soak=1000,
         template_build=3, cluster_create=20, cluster_sandboxes=1000, cluster_list=10, fusion=10,
+        rollout_counts=(16, 64, 256), rollout_rounds=2, rollout_fan_out=100, rollout_resets=20,
     ),
 }  # fmt: skip

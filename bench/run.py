@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import cluster, dataplane, density, figures, fusion, loaded, soak, storage, templates
+from . import cluster, dataplane, density, figures, fusion, loaded, rollouts, soak, storage, templates
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
@@ -50,6 +50,7 @@ MEASURES: dict[str, Measure] = {
     "storage": storage.storage,
     "cluster": cluster.cluster,
     "fusion": fusion.fusion,
+    "rollout": rollouts.rollouts,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
 _BASE_FLOORED = {"create", "pause", "resume", "resume-released", "snapshot"}

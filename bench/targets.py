@@ -31,6 +31,7 @@ FIGURES = (
     "storage",
     "cluster",
     "fusion",
+    "rollout",
 )
 
 
@@ -111,4 +112,13 @@ TARGETS: dict[str, Target] = {
     "cluster-placement": _ratio("median", ">=", 0.5),
     # floor: commands.run of the same program in running sandboxes, as many at once (issue 35)
     "fusion": _ratio("median", "<=", 1.5),
+    # issue 34 (bench.rollouts): tool-call p99 at 64 rollouts at once within 2x one alone's; a
+    # fan-out within 1.2x as many bare restores; a reset no slower than a parked resume; a
+    # rollout that resets its sandbox no slower than one that creates and kills it
+    "rollout-16": _ratio("p99", "<=", 2.0),
+    "rollout-64": _ratio("p99", "<=", 2.0),
+    "rollout-256": _ratio("p99", "<=", 2.0),
+    "rollout-fanout": _ratio("median", "<=", 1.2),
+    "rollout-reset": _ratio("median", "<=", 1.0),
+    "rollout-reuse": _ratio("median", "<=", 1.0),
 }

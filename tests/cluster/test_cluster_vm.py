@@ -235,6 +235,37 @@ def test_the_python_sdk_through_a_gateway_uses_every_node(cluster: Cluster) -> N
     assert Sandbox.list(query=mine).next_items() == []
 
 
+def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(cluster: Cluster) -> None:
+    from e2b import Sandbox
+
+    from aenv import rollouts
+
+    key = uuid.uuid4().hex
+    group = rollouts.fan_out(
+        "base", 2 * NODES, timeout=300, metadata={"tag": cluster.tag}, idempotency_key=key
+    )
+    try:
+        assert all(isinstance(s, Sandbox) for s in group), group
+        homes = {s.sandbox_id: cluster.node_of(s.sandbox_id) for s in group}
+        assert len(set(homes.values())) >= 2, homes  # spread by room over the nodes
+        again = rollouts.fan_out(
+            "base", 2 * NODES, timeout=300, idempotency_key=key, api_url=cluster.gateways[1].url
+        )
+        assert [s.sandbox_id for s in again] == [s.sandbox_id for s in group]  # any gateway finds them
+        sandbox = group[0]
+        sandbox.files.write("/home/user/kept.txt", "at the checkpoint")
+        rollouts.checkpoint(sandbox, "start")
+        sandbox.files.write("/home/user/kept.txt", "changed")
+        rollouts.reset(sandbox, "start")
+        assert sandbox.files.read("/home/user/kept.txt") == "at the checkpoint"
+        assert [c["name"] for c in rollouts.checkpoints(sandbox)] == ["start"]
+        assert cluster.node_of(sandbox.sandbox_id) == homes[sandbox.sandbox_id]
+    finally:
+        for sandbox in group:
+            if isinstance(sandbox, Sandbox):
+                Sandbox.kill(sandbox.sandbox_id)
+
+
 def test_gateway_nodes_list_the_cluster(cluster: Cluster) -> None:
     with cluster.api(1) as api:
         nodes = api.get("/nodes").raise_for_status().json()

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from .. import __version__
-from . import schemas, templates, volumes
+from . import rollouts, schemas, templates, volumes
 
 Route = tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]
 
@@ -35,6 +35,7 @@ BODIES: dict[str, type[BaseModel]] = {
 }
 BODIES.update(templates.BODIES)
 BODIES.update(volumes.BODIES)
+BODIES.update(rollouts.BODIES)
 SUCCESS = {
     "create_v1": "201",
     "create_v2": "201",
@@ -54,6 +55,7 @@ SUCCESS = {
 }
 SUCCESS.update(templates.SUCCESS)
 SUCCESS.update(volumes.SUCCESS)
+SUCCESS.update(rollouts.SUCCESS)
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["code", "message"],
@@ -89,6 +91,7 @@ def _operation(method: str, path: str, handler: Callable[..., Any], shared: bool
                 "update_network",
                 *templates.BODIES,
                 *volumes.BODIES,
+                *rollouts.REQUIRED,
             ),
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
         }

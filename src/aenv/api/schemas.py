@@ -278,5 +278,27 @@ class ForkRequest(Body):
     count: ForkCount = 1
 
 
+class FanOut(NewSandbox):
+    """`POST /sandboxes/fanout` (aenv): `count` sandboxes with a create's options, each succeeding
+    or failing alone; with an `idempotencyKey`, a retried call returns the same sandboxes."""
+
+    count: Annotated[StrictInt, Field(ge=1, le=1000), INTEGRAL]
+    idempotency_key: StrictStr | None = Field(
+        default=None, alias="idempotencyKey", min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$"
+    )
+
+
+class CheckpointRequest(Body):
+    """`POST /sandboxes/{sandboxID}/checkpoints` (aenv); without a name, the checkpoint has its id only."""
+
+    name: StrictStr | None = Field(default=None, min_length=1, max_length=64)
+
+
+class ResetRequest(Body):
+    """`POST /sandboxes/{sandboxID}/reset` (aenv): the checkpoint's id or name."""
+
+    checkpoint: StrictStr = Field(min_length=1, max_length=64)
+
+
 class NetworkUpdate(NetworkConfig):
     allow_internet_access: StrictBool | None = None

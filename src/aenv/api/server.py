@@ -47,7 +47,7 @@ from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
 from ..vmm.serial import NEXT_START_HEADER
 from ..volumes.store import VolumeStore
-from . import openapi, schemas, templates, views, volumes
+from . import openapi, rollouts, schemas, templates, views, volumes
 from .fusion import Fusion
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
 
@@ -259,6 +259,33 @@ def list_query(request: web.Request) -> ListQuery:
     )
 
 
+def create_request(body: schemas.NewSandbox, *, secure: bool) -> CreateRequest:
+    """A create's options from its body (also a fan-out's, `aenv.api.rollouts`)."""
+    network = body.network.wire() if body.network else {}
+    auto_resume = bool(body.auto_resume and body.auto_resume.enabled)
+    if body.allow_internet_access is False and "denyOut" not in network:
+        network["denyOut"] = ["0.0.0.0/0"]
+    if body.auto_pause_memory is False and (not body.auto_pause or auto_resume):
+        raise InvalidRequest(
+            "autoPauseMemory false (a filesystem-only pause) needs autoPause and cannot be combined "
+            "with autoResume: a sandbox paused without memory is resumed explicitly, by connect"
+        )
+    return CreateRequest(
+        template=body.template_id,
+        timeout=body.timeout,
+        auto_pause=bool(body.auto_pause),
+        auto_pause_memory=body.auto_pause_memory is not False,
+        auto_resume=auto_resume,
+        secure=secure,
+        allow_internet=body.allow_internet_access,
+        network=network,
+        metadata=dict(body.metadata or {}),
+        env_vars=dict(body.env_vars or {}),
+        # One volume per path (the SDK's mapping has no duplicates): the last one named wins.
+        volume_mounts=list({m.path: m.model_dump() for m in body.volume_mounts or ()}.values()),
+    )
+
+
 class NodeAPI:
     """Request handlers; the node service does the work, this maps it to the wire."""
 
@@ -373,6 +400,7 @@ class NodeAPI:
             ("GET", "/nodes", self.list_nodes),
             ("GET", "/nodes/{nodeID}", self.get_node),
             *templates.routes(self.node, parse),
+            *rollouts.routes(self.node, parse, create_request, self.domain),
             *(volumes.routes(self.volumes, parse) if self.volumes is not None else ()),
         ]
 
@@ -439,30 +467,7 @@ class NodeAPI:
     # -- sandboxes -------------------------------------------------------------------------
 
     async def _create(self, body: schemas.NewSandbox, *, secure: bool) -> web.Response:
-        network = body.network.wire() if body.network else {}
-        auto_resume = bool(body.auto_resume and body.auto_resume.enabled)
-        if body.allow_internet_access is False and "denyOut" not in network:
-            network["denyOut"] = ["0.0.0.0/0"]
-        if body.auto_pause_memory is False and (not body.auto_pause or auto_resume):
-            raise InvalidRequest(
-                "autoPauseMemory false (a filesystem-only pause) needs autoPause and cannot be combined "
-                "with autoResume: a sandbox paused without memory is resumed explicitly, by connect"
-            )
-        request = CreateRequest(
-            template=body.template_id,
-            timeout=body.timeout,
-            auto_pause=bool(body.auto_pause),
-            auto_pause_memory=body.auto_pause_memory is not False,
-            auto_resume=auto_resume,
-            secure=secure,
-            allow_internet=body.allow_internet_access,
-            network=network,
-            metadata=dict(body.metadata or {}),
-            env_vars=dict(body.env_vars or {}),
-            # One volume per path (the SDK's mapping has no duplicates): the last one named wins.
-            volume_mounts=list({m.path: m.model_dump() for m in body.volume_mounts or ()}.values()),
-        )
-        return self._created(await self.node.create(request))
+        return self._created(await self.node.create(create_request(body, secure=secure)))
 
     async def create_v1(self, request: web.Request) -> web.Response:
         body = await parse(request, schemas.NewSandboxV1)

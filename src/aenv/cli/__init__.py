@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from .. import __version__
-from . import auth, cluster, completion, execute, files, sandboxes, server, snapshots, templates
+from . import auth, cluster, completion, execute, files, rollouts, sandboxes, server, snapshots, templates
 from .config import CLIError
 
-GROUPS = (server, cluster, auth, templates, sandboxes, execute, snapshots, files, completion)
+GROUPS = (server, cluster, auth, templates, sandboxes, execute, snapshots, rollouts, files, completion)
 
 
 def build_parser() -> argparse.ArgumentParser:

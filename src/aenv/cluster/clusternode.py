@@ -38,11 +38,14 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from ..orchestrator import fanout
 from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
 from ..orchestrator.interface import (
     BuildTicket,
     CreateRequest,
+    FanOutRequest,
+    FanOutResult,
     FileLink,
     ListQuery,
     NodeStatus,
@@ -50,6 +53,7 @@ from ..orchestrator.interface import (
 )
 from ..orchestrator.service import new_sandbox_id
 from ..orchestrator.store import SandboxRecord
+from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart, split_name
@@ -71,6 +75,8 @@ SHARE_MARGIN = 1.5  # a paged list first asks each of n nodes for this many time
 # Seconds a kill on a down node waits for a live node to discard its durable pause (a few requests
 # to the repository): a node that accepts the call and hangs must not hold the kill's answer.
 DISCARD_TIMEOUT = 30.0
+# Creates a fan-out through a gateway has under way at once, over all nodes (each node bounds its own).
+FAN_OUT_CONCURRENCY = 64
 
 
 def _started(record: SandboxRecord) -> datetime:
@@ -202,8 +208,10 @@ class ClusterNode:
         have created its sandbox."""
         refused: list[str] = []
         failure: SandboxError | None = None
-        for _ in range(MAX_PLACEMENTS):
-            attempt = replace(request, sandbox_id=new_sandbox_id())
+        # An id the caller chose (a fan-out's) is tried once: a node that failed to answer may
+        # have made it, and the caller's retry finds it there by that id.
+        for _ in range(MAX_PLACEMENTS if request.sandbox_id is None else 1):
+            attempt = replace(request, sandbox_id=request.sandbox_id or new_sandbox_id())
             placement = Placement(template=request.template, sandbox_id=attempt.sandbox_id, exclude=refused)
             try:
                 info = await self.scheduler.place(placement)
@@ -484,6 +492,30 @@ class ClusterNode:
             return children
 
         return await self._on_holder(sandbox_id, fork)
+
+    async def fan_out(self, request: FanOutRequest) -> list[FanOutResult]:
+        """Each sandbox placed by the scheduler as a create is (nodes that hold the template
+        first, then by room; each placement reserves room, so they spread), many at once."""
+        return await fanout.fan_out(request, self.create, self.get, FAN_OUT_CONCURRENCY)
+
+    async def checkpoint(self, sandbox_id: str, name: str | None) -> Checkpoint:
+        return await self._on_holder(sandbox_id, lambda node, _: node.checkpoint(sandbox_id, name))
+
+    async def checkpoints(self, sandbox_id: str) -> list[Checkpoint]:
+        return await self._on_holder(sandbox_id, lambda node, _: node.checkpoints(sandbox_id))
+
+    async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None:
+        await self._on_holder(sandbox_id, lambda node, _: node.delete_checkpoint(sandbox_id, checkpoint))
+
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        return await self._on_holder(
+            sandbox_id, lambda node, _: node.promote_checkpoint(sandbox_id, checkpoint, name)
+        )
+
+    async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
+        return await self._on_holder(sandbox_id, lambda node, _: node.reset(sandbox_id, checkpoint))
 
     async def update_network(
         self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]

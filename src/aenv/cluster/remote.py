@@ -23,12 +23,15 @@ from ..orchestrator.errors import OperationFailed, SandboxError, Unavailable
 from ..orchestrator.interface import (
     BuildTicket,
     CreateRequest,
+    FanOutRequest,
+    FanOutResult,
     FileLink,
     ListQuery,
     NodeStatus,
     Route,
 )
 from ..orchestrator.store import SandboxRecord
+from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
@@ -147,6 +150,26 @@ class RemoteNode:
     ) -> None:
         arguments = {"allow_internet": allow_internet, "network": network}
         await self._call("update_network", sandbox_id=sandbox_id, **arguments)
+
+    async def fan_out(self, request: FanOutRequest) -> list[FanOutResult]:
+        return await self._call("fan_out", request=request)
+
+    async def checkpoint(self, sandbox_id: str, name: str | None) -> Checkpoint:
+        return await self._call("checkpoint", sandbox_id=sandbox_id, name=name)
+
+    async def checkpoints(self, sandbox_id: str) -> list[Checkpoint]:
+        return await self._call("checkpoints", sandbox_id=sandbox_id)
+
+    async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None:
+        await self._call("delete_checkpoint", sandbox_id=sandbox_id, checkpoint=checkpoint)
+
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        return await self._call("promote_checkpoint", sandbox_id=sandbox_id, checkpoint=checkpoint, name=name)
+
+    async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
+        return await self._call("reset", sandbox_id=sandbox_id, checkpoint=checkpoint)
 
     async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
         return await self._call("metrics", sandbox_id=sandbox_id, start=start, end=end)

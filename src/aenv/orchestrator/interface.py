@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from ..network.netns import SandboxNetwork
+from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.manifest import SnapshotManifest
 from ..storage.cache import CacheStats
 from ..template.builds import TagInfo
@@ -38,6 +39,34 @@ class CreateRequest:
     # The new sandbox's id when the caller chose it (a gateway names a sandbox before placing it,
     # so the placement records its binding); None: the node makes one.
     sandbox_id: str | None = None
+
+
+@dataclass(frozen=True)
+class FanOutRequest:
+    """`count` sandboxes from one create's options (`aenv.orchestrator.fanout`). With an
+    `idempotency_key` their ids follow from the key, so a retried call finds them instead of
+    making new ones."""
+
+    create: CreateRequest
+    count: int
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class FanOutFailure:
+    """Why one sandbox of a fan-out did not start: the `SandboxError` kind's name and its message."""
+
+    kind: str
+    message: str
+    error_code: str | None = None
+
+
+@dataclass(frozen=True)
+class FanOutResult:
+    """One sandbox of a fan-out: its record, or why it did not start."""
+
+    sandbox: SandboxRecord | None = None
+    error: FanOutFailure | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +201,30 @@ class NodeService(Protocol):
     async def update_network(
         self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
     ) -> None: ...
+
+    async def fan_out(self, request: FanOutRequest) -> list[FanOutResult]:
+        """Start `request.count` sandboxes with the same options; one result per sandbox, in order."""
+        ...
+
+    async def checkpoint(self, sandbox_id: str, name: str | None) -> Checkpoint:
+        """Checkpoint the running sandbox (memory and disk), kept while it lives."""
+        ...
+
+    async def checkpoints(self, sandbox_id: str) -> list[Checkpoint]:
+        """The sandbox's checkpoints, oldest first."""
+        ...
+
+    async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None: ...
+
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        """A checkpoint of the running sandbox as a snapshot, which sandboxes can start from."""
+        ...
+
+    async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
+        """Restore the running sandbox to its checkpoint (id or name): same id, URL and tokens."""
+        ...
 
     async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
         """E2B `SandboxMetric`s of the sandbox between `start` and `end` (Unix seconds), oldest first."""

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
+from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.handover import PAUSE_MARK
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.pending import PENDING_MARK
@@ -24,9 +25,19 @@ from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
 from ..template.steps import BuildRequest, BuildStart
 from ..vmm import merge
+from . import fanout
 from .errors import Conflict, Forbidden, InvalidRequest, NotFound, SandboxError
 from .housekeeping import Housekeeper
-from .interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus, Route
+from .interface import (
+    BuildTicket,
+    CreateRequest,
+    FanOutRequest,
+    FanOutResult,
+    FileLink,
+    ListQuery,
+    NodeStatus,
+    Route,
+)
 from .service import Orchestrator, Sandbox, catalog_name
 from .states import api_state
 from .store import SandboxRecord
@@ -157,6 +168,28 @@ class LocalNode:
         self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
     ) -> None:
         await self.orchestrator.update_network(self._sandbox(sandbox_id), allow_internet, network)
+
+    async def fan_out(self, request: FanOutRequest) -> list[FanOutResult]:
+        return await fanout.fan_out(request, self.create, self.get)
+
+    async def checkpoint(self, sandbox_id: str, name: str | None) -> Checkpoint:
+        return await self.orchestrator.checkpoint(self._sandbox(sandbox_id), name)
+
+    async def checkpoints(self, sandbox_id: str) -> list[Checkpoint]:
+        return self.orchestrator.checkpoints(self._sandbox(sandbox_id))
+
+    async def delete_checkpoint(self, sandbox_id: str, checkpoint: str) -> None:
+        await self.orchestrator.delete_checkpoint(self._sandbox(sandbox_id), checkpoint)
+
+    async def promote_checkpoint(
+        self, sandbox_id: str, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        return await self.orchestrator.promote_checkpoint(self._sandbox(sandbox_id), checkpoint, name)
+
+    async def reset(self, sandbox_id: str, checkpoint: str) -> SandboxRecord:
+        sandbox = self._sandbox(sandbox_id)
+        await self.orchestrator.reset(sandbox, checkpoint)
+        return sandbox.record
 
     async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
         return await self.orchestrator.metrics(self._sandbox(sandbox_id), start, end)

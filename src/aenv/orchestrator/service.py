@@ -15,7 +15,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from http.client import HTTPException
@@ -27,6 +27,7 @@ from ..clock import rfc3339
 from ..config import Settings
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
+from ..snapshot.checkpoints import Checkpoint, CheckpointConflict, CheckpointNotFound, InvalidCheckpoint
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
 from ..snapshot.handover import PauseReclaimed, SandboxMoved
 from ..snapshot.manifest import SnapshotManifest
@@ -117,7 +118,11 @@ def new_sandbox_id() -> str:
 
     Drawn from one 128-bit random number (one getrandom call, not one per character: a create
     through a gateway makes an id, and twenty calls cost it 0.2 ms under load)."""
-    value = int.from_bytes(secrets.token_bytes(16))
+    return sandbox_id_of(int.from_bytes(secrets.token_bytes(16)))
+
+
+def sandbox_id_of(value: int) -> str:
+    """A sandbox id made of a 128-bit number (random, or a digest: `fanout.member_id`)."""
     characters = []
     for _ in range(20):
         value, digit = divmod(value, len(ID_ALPHABET))
@@ -657,20 +662,65 @@ class Orchestrator:
         self.admission.check_disk(f"snapshot sandbox {sandbox.id}")
         async with self._operation(sandbox, Op.SNAPSHOT):
             assert sandbox.vm is not None
-            metadata = {"sandbox_id": sandbox.id}
-            if sandbox.record.volume_mounts:
-                metadata[VOLUMES_MARK] = "mounted"
-            try:
+            metadata = self._snapshot_metadata(sandbox)
+            with engine_errors(f"snapshot of sandbox {sandbox.id}"):
                 # Answered once captured on this node; committed in the background (`snapshot.pending`).
                 return await self.engine.snapshot(
                     sandbox.vm, alias=name, metadata=metadata, memory=memory, wait=False
                 )
-            except InvalidName as exc:
-                raise InvalidRequest(str(exc)) from exc
-            except (AliasConflict, SnapshotExists) as exc:
-                raise Conflict(str(exc)) from exc
+
+    # -- checkpoints and reset (`aenv.snapshot.checkpoints`) ---------------------------------
+
+    async def checkpoint(self, sandbox: Sandbox, name: str | None) -> Checkpoint:
+        """Checkpoint the running sandbox; 409 while it is paused (resume it first)."""
+        self.admission.check_disk(f"checkpoint sandbox {sandbox.id}")
+        async with self._operation(sandbox, Op.CHECKPOINT):
+            assert sandbox.vm is not None
+            with engine_errors(f"checkpoint of sandbox {sandbox.id}"):
+                return await self.engine.checkpoint(sandbox.vm, name)
+
+    def checkpoints(self, sandbox: Sandbox) -> list[Checkpoint]:
+        return self.engine.checkpoints.list(sandbox.id)
+
+    async def delete_checkpoint(self, sandbox: Sandbox, checkpoint: str) -> None:
+        async with sandbox.lock:
+            with engine_errors(f"deleting a checkpoint of sandbox {sandbox.id}"):
+                state = sandbox.vm.state if sandbox.vm is not None else None
+                self.engine.checkpoints.delete(sandbox.id, checkpoint, state)
+
+    async def promote_checkpoint(
+        self, sandbox: Sandbox, checkpoint: str, name: str | None
+    ) -> SnapshotManifest:
+        """A checkpoint of the running sandbox as a snapshot (as `snapshot` answers one)."""
+        self.admission.check_disk(f"snapshot a checkpoint of sandbox {sandbox.id}")
+        async with self._operation(sandbox, Op.SNAPSHOT):
+            assert sandbox.vm is not None
+            with engine_errors(f"snapshot of a checkpoint of sandbox {sandbox.id}"):
+                metadata = self._snapshot_metadata(sandbox)
+                return await self.engine.promote(sandbox.vm, checkpoint, name, metadata)
+
+    async def reset(self, sandbox: Sandbox, checkpoint: str) -> None:
+        """Restore the running sandbox to a checkpoint in a new VM; a reset that fails leaves it
+        running as it was."""
+        async with self._operation(sandbox, Op.RESET):
+            assert sandbox.vm is not None
+            with engine_errors(f"resetting sandbox {sandbox.id}"):
+                vm = await self.engine.reset(sandbox.vm, checkpoint, self._guest_init(sandbox.record))
+            self.on_stopped(sandbox.id)  # its connections went to the old VM
+            await self._unmount_volumes(sandbox)
+            self._attach(sandbox, vm)
+            try:
+                await self._mount_volumes(sandbox)
             except ENGINE_FAILURES as exc:
-                raise OperationFailed(f"snapshot of sandbox {sandbox.id} failed: {exc}") from exc
+                failed = f"sandbox {sandbox.id} was reset, but its volumes were not mounted: {exc}"
+                raise OperationFailed(failed) from exc
+
+    def _snapshot_metadata(self, sandbox: Sandbox) -> dict[str, str]:
+        """A snapshot's metadata: its sandbox, and whether the guest held volume mounts."""
+        metadata = {"sandbox_id": sandbox.id}
+        if sandbox.record.volume_mounts:
+            metadata[VOLUMES_MARK] = "mounted"
+        return metadata
 
     def _snapshot_failed(self, manifest: SnapshotManifest) -> None:
         """A snapshot answered earlier failed to commit: unseal the disk layer it sealed, as soon as
@@ -993,6 +1043,23 @@ class Orchestrator:
             )
         except SandboxError as exc:
             log.error("expiring sandbox %s failed: %s", record.sandbox_id, exc.message)
+
+
+@contextlib.contextmanager
+def engine_errors(what: str) -> Iterator[None]:
+    """The snapshot engine's refusals and failures of a snapshot, checkpoint or reset as the node
+    service's kinds; `what` names the operation in a failure's message."""
+    try:
+        yield
+    except (InvalidName, InvalidCheckpoint) as exc:
+        raise InvalidRequest(str(exc)) from exc
+    except (AliasConflict, SnapshotExists, CheckpointConflict) as exc:
+        raise Conflict(str(exc)) from exc
+    except CheckpointNotFound as exc:
+        raise NotFound(str(exc)) from exc
+    except ENGINE_FAILURES as exc:
+        log.warning("%s failed: %s", what, exc)
+        raise OperationFailed(f"{what} failed: {exc}") from exc
 
 
 def _start_failure(exc: Exception) -> SandboxError:

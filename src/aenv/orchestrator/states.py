@@ -46,6 +46,8 @@ class Op(StrEnum):
     RESUME = "resumed"
     SNAPSHOT = "snapshotted"
     FORK = "forked"
+    CHECKPOINT = "checkpointed"
+    RESET = "reset"  # to one of its checkpoints
     KILL = "killed"
     EXTEND = "given more time"  # set timeout, refresh, connect to a running sandbox
     NETWORK = "given new network rules"
@@ -70,6 +72,8 @@ TRANSITIONS: dict[Op, Transition] = {
     Op.RESUME: Transition(frozenset({State.PAUSED}), State.RESUMING, State.RUNNING, Conflict),
     Op.SNAPSHOT: Transition(frozenset({State.RUNNING}), State.SNAPSHOTTING, None, Conflict),
     Op.FORK: Transition(frozenset({State.RUNNING}), State.FORKING, None, Conflict),
+    Op.CHECKPOINT: Transition(frozenset({State.RUNNING}), State.SNAPSHOTTING, None, Conflict),
+    Op.RESET: Transition(frozenset({State.RUNNING}), State.RESUMING, None, Conflict),
     Op.KILL: Transition(_ALIVE, State.KILLING, None, NotFound, removes=True),
     # E2B answers 404 to a timeout change of a sandbox that is not running: the SDK maps it to
     # SandboxNotFoundException.

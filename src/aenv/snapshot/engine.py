@@ -28,6 +28,7 @@ from ..storage.layers import LayerStore
 from ..storage.protocols import Repository, RuntimeResolver
 from ..storage.runtime import LocalRuntime
 from ..vmm.accel import Accelerator
+from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
 from .handover import Handover
 from .host import Host
@@ -97,6 +98,7 @@ class SnapshotEngine:
             self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
         )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
+        self.checkpoints = Checkpoints(self.host, clones)
 
     def stop_within(self, seconds: float) -> None:
         """The node stops: from now on its waits for the store end `seconds` from now (`StopDeadline`)."""
@@ -189,6 +191,21 @@ class SnapshotEngine:
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         await self.lifecycle.kill(sandbox)
+
+    async def checkpoint(self, sandbox: SandboxVM, name: str | None) -> Checkpoint:
+        return await self.checkpoints.create(sandbox, name)
+
+    async def promote(
+        self, sandbox: SandboxVM, checkpoint: str, alias: str | None, metadata: dict[str, str]
+    ) -> SnapshotManifest:
+        """A checkpoint of the running sandbox as a snapshot (answered pending, committed after)."""
+        found = self.checkpoints.get(sandbox.sandbox_id, checkpoint)
+        files = self.checkpoints.files(sandbox.sandbox_id, found)
+        return await self.lifecycle.promote(sandbox, found, files, alias, metadata)
+
+    async def reset(self, sandbox: SandboxVM, checkpoint: str, init: GuestInit) -> SandboxVM:
+        """The sandbox restored from its checkpoint in a new VM, its old one ended."""
+        return await self.checkpoints.reset(sandbox, checkpoint, init)
 
     async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
         await self.lifecycle.set_policy(sandbox, policy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -23,13 +24,14 @@ from ..network.netns import SandboxNetwork
 from ..storage.layers import new_layer_id
 from ..vmm import migration
 from . import devstate
+from .checkpoints import Checkpoint
 from .clones import Clones
 from .handover import Handover, SandboxMoved
 from .host import Host
 from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses, write_out_files
-from .pending import CAPTURE, PendingSnapshots
+from .pending import CAPTURE, DELTA, DEVICES, PendingSnapshots
 from .recovery import kill_stray
 from .repository import AliasConflict, SnapshotNotFound, check_alias
 from .templates import start_runtime
@@ -330,6 +332,8 @@ class Lifecycle:
         state, layers = sandbox.state, self.host.layers
         if state.paused or state.disk_layers[-2:-1] != [layer] or not sandbox.vm.alive():
             return False
+        if layer in state.kept_layers:  # a checkpoint's (a promoted checkpoint failed): it stays
+            return False
         top = state.disk_layers[-1]
         try:
             base_node, _ = await migration.unseal_disk(sandbox.vm, sandbox.root_node, layers.path(layer))
@@ -341,6 +345,37 @@ class Lifecycle:
         state.save(self.host.workdir(state.sandbox_id))
         layers.remove(top)
         return True
+
+    async def promote(
+        self,
+        sandbox: SandboxVM,
+        checkpoint: Checkpoint,
+        files: tuple[Path, Path],
+        alias: str | None,
+        metadata: dict[str, str],
+    ) -> SnapshotManifest:
+        """A checkpoint of the sandbox as a snapshot, answered pending and committed in the
+        background (`pending`). Its files are linked, not copied: neither is ever written again."""
+        self._check_alias_free(alias)
+        snapshot_id = new_snapshot_id()
+        directory = self.pending.directory(snapshot_id)
+        try:
+            for source, name in zip(files, (DEVICES, DELTA), strict=True):
+                os.link(source, directory / name)
+            draft = self._snapshot_manifest(
+                snapshot_id,
+                sandbox,
+                True,
+                list(checkpoint.disk_layers),
+                alias,
+                {"sandbox_id": sandbox.sandbox_id},
+            )
+            source = {**draft.source, "checkpoint_id": checkpoint.checkpoint_id}
+            self.pending.add(replace(draft, source=source), directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return self.pending.get(snapshot_id) or self.host.repository.get(snapshot_id)
 
     def _check_alias_free(self, alias: str | None) -> None:
         """A snapshot answered before its commit must not fail it later for its alias: check now."""
@@ -372,7 +407,11 @@ class Lifecycle:
             kind="snapshot",
             alias=alias,
             created_at=utc_now(),
-            source={"sandbox_id": sandbox.sandbox_id, "snapshot_id": origin.id},
+            source={
+                "sandbox_id": sandbox.sandbox_id,
+                "snapshot_id": origin.id,
+                **({"checkpoint_id": sandbox.state.checkpoint} if sandbox.state.checkpoint else {}),
+            },
             machine=origin.machine,
             memory_image=origin.memory_image,
             memory_deltas=(),

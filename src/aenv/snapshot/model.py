@@ -89,6 +89,9 @@ class SandboxState:
     disk_only: bool = False
     # The pause snapshot this pause was committed to the repository as (`aenv.snapshot.handover`).
     durable: str | None = None
+    # The checkpoint its state descends from (its last checkpoint or reset: `aenv.snapshot.checkpoints`).
+    checkpoint: str | None = None
+    kept_layers: list[str] = field(default_factory=list)  # disk layers its checkpoints hold
 
     @property
     def egress(self) -> EgressPolicy:

@@ -191,7 +191,7 @@ class Recovery:
         """
         host = self.host
         used = {layer for m in host.repository.list() for layer in m.disk_layers}
-        used |= {layer for state in host.sandbox_states() for layer in state.disk_layers}
+        used |= {layer for s in host.sandbox_states() for layer in (*s.disk_layers, *s.kept_layers)}
         used |= self._warm_layers() | layers_of_running_vms(host.layers) | (keep or set())
         cutoff = time.time() - (LAYER_GRACE_SECONDS if grace_seconds is None else grace_seconds)
         orphans = sorted(i for i in host.layers.all_ids() - used if host.layers.modified(i) < cutoff)
