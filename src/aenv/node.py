@@ -51,7 +51,8 @@ BASE_TEMPLATE = "base"
 IO_THREADS = 64
 # What QEMU reads under the home besides layers and the repository: VM directories (streams),
 # warm VMs, the s3 runtime cache.
-VMM_READABLE = ("sandboxes", "runtime", "cache")
+# Not `sandboxes`: a sandbox's files (memory deltas, device state, logs) are the node's alone.
+VMM_READABLE = ("runtime", "cache")
 
 
 def api_key(settings: Settings) -> str:

@@ -1,4 +1,5 @@
-"""VMM confinement without a VM: the command line, and cgroup v1 and v2 layouts on fake trees.
+"""VMM confinement: the command line, cgroup v1 and v2 layouts on fake trees, and what a QEMU
+a guest took over reaches on a real node (`test_an_escaped_qemu_reaches_nothing_of_the_host`).
 
 Real VMs run confined in every VM test; tests/e2e/test_abuse.py checks their QEMU processes'
 capabilities, seccomp mode and cgroup limits on a real node.
@@ -6,17 +7,23 @@ capabilities, seccomp mode and cgroup limits on a real node.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from aenv.devnode import DevNode
 from aenv.vmm import confine
 from aenv.vmm.confine import CgroupTree, Confinement, IdentityError, Limits, RuntimeUser, VmmIdentities
 from aenv.vmm.mountview import MountView
 
+SLOT_FIRST, SLOT_COUNT = 11264, 32  # apart from every other node the suite starts
 V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
 V2_PROC = "0::/system.slice/aenv.service\n"
 
@@ -30,24 +37,26 @@ def fake_v1(root: Path) -> CgroupTree:
 
 
 def test_command_drops_privileges_and_enables_seccomp() -> None:
-    argv = Confinement().command(["qemu-system-x86_64", "-M", "microvm"])
+    argv = Confinement(namespaces=False).command(["qemu-system-x86_64", "-M", "microvm"])
     assert argv[: len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
     assert argv[-2:] == ["-sandbox", confine.SECCOMP]
-    plain = Confinement(seccomp=False, drop_privileges=False).command(["qemu"])
+    plain = Confinement(seccomp=False, drop_privileges=False, namespaces=False).command(["qemu"])
     assert plain == ["qemu"]
 
 
-def test_command_joins_the_mount_view_first() -> None:
+def test_command_joins_the_mount_view_then_namespaces_of_its_own() -> None:
     argv = Confinement(mount_namespace="/proc/9/ns/mnt").command(["qemu"])
     assert argv[:3] == ["nsenter", "--mount=/proc/9/ns/mnt", "--"]
-    assert argv[3 : 3 + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
+    after = 3 + len(confine.NAMESPACES)
+    assert argv[3:after] == list(confine.NAMESPACES)
+    assert argv[after : after + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
 
 
 def test_command_runs_qemu_as_its_own_uid() -> None:
-    argv = Confinement().command(["qemu"], RuntimeUser(uid=900, gid=901, groups=(107,)))
+    argv = Confinement(namespaces=False).command(["qemu"], RuntimeUser(uid=900, gid=901, groups=(107,)))
     real = f"--rgid={confine.REAL_GROUP}"
     assert argv[:5] == ["setpriv", "--reuid=900", real, "--egid=901", "--groups=107"]
-    assert "--clear-groups" in Confinement().command(["qemu"], RuntimeUser(900, 901))
+    assert "--clear-groups" in Confinement(namespaces=False).command(["qemu"], RuntimeUser(900, 901))
 
 
 def test_every_vmm_gets_a_uid_of_its_own_until_it_exits() -> None:
@@ -233,3 +242,86 @@ def test_the_host_tree_accepts_a_group() -> None:
         confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None
     )
     assert configured.cgroups is not None
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, template_seed: Path) -> Iterator[DevNode]:
+    home = tmp_path_factory.mktemp("confinement") / "home"
+    with DevNode(
+        home, slot_first=SLOT_FIRST, slot_count=SLOT_COUNT, seed=template_seed, warm_pool_size=0
+    ) as node:
+        yield node
+
+
+def _call(node: DevNode, method: str, path: str, **body: object) -> httpx.Response:
+    headers = {"X-API-Key": node.key}
+    response = httpx.request(method, f"{node.url}{path}", json=body or None, headers=headers, timeout=300)
+    assert response.status_code < 300, response.text
+    return response
+
+
+def _state(node: DevNode, sandbox_id: str) -> dict[str, object]:
+    return json.loads((node.home / "sandboxes" / sandbox_id / "state.json").read_text())
+
+
+def _as_qemu(pid: int, script: str) -> subprocess.CompletedProcess[str]:
+    """`script` run the way the QEMU `pid` runs: in its namespaces (mount, network, PID), as its uid
+    and group, without capabilities."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    uid, gid = fields["Uid"].split()[0], fields["Gid"].split()[1]
+    identity = [f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *confine.DROP_PRIVILEGES[1:]]
+    argv = ["nsenter", f"--target={pid}", "--mount", "--net", "--pid", "--", "setpriv", *identity]
+    return subprocess.run([*argv, "sh", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.vm
+def test_an_escaped_qemu_reaches_nothing_of_the_host(node: DevNode) -> None:
+    """As sandbox A's QEMU (its uid, its view, its namespaces): sandbox B's pause files are neither
+    there nor readable on the host by another uid, the node API and a host loopback listener do not
+    answer, and no host process is visible. B then resumes from those files (passed as descriptors)."""
+    a, b = (_call(node, "POST", "/sandboxes", templateID="base").json()["sandboxID"] for _ in range(2))
+    _call(node, "POST", f"/sandboxes/{b}/pause")
+    deadline = time.monotonic() + 120
+    while _state(node, b).get("delta") is None:  # written just after the pause answered
+        assert time.monotonic() < deadline, "the pause's files were not written"
+        time.sleep(0.2)
+    b_dir = node.home / "sandboxes" / b
+    private = [b_dir, *b_dir.iterdir()]
+    assert {path.name for path in private} >= {b, "state.json", "serial.log", "qemu.log"}
+    assert any(path.suffix == ".delta" for path in private) and any(
+        path.suffix == ".devices" for path in private
+    )
+    assert all(path.stat().st_uid == 0 and path.stat().st_mode & 0o077 == 0 for path in private), [
+        (path.name, oct(path.stat().st_mode)) for path in private
+    ]
+    pid = int(_state(node, a)["pid"])  # type: ignore[arg-type]
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        delta = _state(node, b)["delta"]
+        probe = "import socket,sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5)"
+        checks = {
+            "own root": "test -d /proc/1 && id -u",
+            "sandboxes": f"ls {node.home / 'sandboxes'}",
+            "pause delta": f"head -c 1 {delta}",
+            "node api": f'python3 -c "{probe}" {node.port}',
+            "host listener": f'python3 -c "{probe}" {listener.getsockname()[1]}',
+            "processes": "ls /proc | grep -E '^[0-9]+$' | xargs",
+            "pid 1": "cat /proc/1/comm",
+            "interfaces": "ls /sys/class/net /proc/self/net/dev >/dev/null; cat /proc/net/dev | tail -n +3",
+        }
+        done = {name: _as_qemu(pid, script) for name, script in checks.items()}
+    finally:
+        listener.close()
+    assert done["own root"].stdout.split()[-1] != "0", done["own root"]
+    for name in ("sandboxes", "pause delta"):
+        assert "No such file" in done[name].stderr, done[name]
+    for name in ("node api", "host listener"):
+        assert "Network is unreachable" in done[name].stderr, done[name]
+    visible = [int(p) for p in done["processes"].stdout.split()]
+    assert 1 in visible and max(visible) < 10, visible  # QEMU (pid 1) and this script's few processes
+    assert done["pid 1"].stdout.strip().startswith("qemu-system"), done["pid 1"]
+    assert done["interfaces"].stdout.split()[:1] == ["lo:"], done["interfaces"]  # an empty network
+    _call(node, "POST", f"/sandboxes/{b}/resume")
+    assert _state(node, b)["paused"] is False
+    for sandbox in (a, b):
+        _call(node, "DELETE", f"/sandboxes/{sandbox}")
