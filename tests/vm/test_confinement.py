@@ -286,12 +286,10 @@ def test_an_escaped_qemu_reaches_nothing_of_the_host(node: DevNode) -> None:
         assert time.monotonic() < deadline, "the pause's files were not written"
         time.sleep(0.2)
     b_dir = node.home / "sandboxes" / b
-    private = [b_dir, *b_dir.iterdir()]
-    assert {path.name for path in private} >= {b, "state.json", "serial.log", "qemu.log"}
-    assert any(path.suffix == ".delta" for path in private) and any(
-        path.suffix == ".devices" for path in private
-    )
-    assert all(path.stat().st_uid == 0 and path.stat().st_mode & 0o077 == 0 for path in private), [
+    assert b_dir.stat().st_uid == 0 and b_dir.stat().st_mode & 0o777 == 0o700  # no other uid enters it
+    pause = [path for path in b_dir.iterdir() if path.suffix in (".delta", ".devices")]
+    private = [*pause, *(b_dir / name for name in ("state.json", "serial.log", "qemu.log"))]
+    assert len(pause) == 2 and all(path.stat().st_mode & 0o077 == 0 for path in private), [
         (path.name, oct(path.stat().st_mode)) for path in private
     ]
     pid = int(_state(node, a)["pid"])  # type: ignore[arg-type]

@@ -6,16 +6,20 @@ QEMU a guest took over can neither signal another VM's QEMU nor open its files. 
 empty capability bounding set and `no_new_privs` (applied by util-linux `setpriv`, which execs
 QEMU in place, so the node still watches, reads and adopts QEMU's own pid), a root of its own
 holding only the files VMs need (`aenv.vmm.mountview`, joined with `nsenter`, which also execs
-in place), QEMU's seccomp sandbox with the obsolete, privilege-raising, process-spawning and
-resource-control system calls denied, and a cgroup of its own that bounds its CPU time to its
-vCPUs, its memory to guest RAM plus the VMM's measured overhead, and its thread count.
+in place), namespaces of its own (`Confinement.spawning`: it is pid 1 of a PID namespace, with a
+/proc of that namespace, in an empty network namespace: it sees no other process and reaches no
+address, its tap being a descriptor), QEMU's seccomp sandbox with the obsolete,
+privilege-raising, process-spawning and resource-control system calls denied, and a cgroup of
+its own that bounds its CPU time to its vCPUs, its memory to guest RAM plus the VMM's measured
+overhead, and its thread count.
 
 Files: a VMM's uid owns only what its QEMU writes through a path, its top disk layer (and a
 template build's memory file), handed over at spawn (mode 0600: no other VMM reads it either)
 and taken back (`reclaim`) when a seal freezes that layer or the process exits; everything
 else it reads (memory images, sealed layers, boot files, state streams) stays the node's and
-read-only to it, and what it writes otherwise (logs, device state, streams) or listens on (the
-recovery monitor) the node opens and passes as file descriptors. `/dev/kvm` it opens through
+read-only to it, and what it writes otherwise (logs, device state, streams), loads (a start's or
+resume's device state) or listens on (the recovery monitor) the node opens and passes as file
+descriptors. A VM's own directory (`PRIVATE_DIRECTORY`) is not in its view. `/dev/kvm` it opens through
 the device's group, which every VMM gets as a supplementary group.
 
 Cgroups: v2 (one unified tree) on modern hosts, v1 (one tree per controller) elsewhere; the
