@@ -186,6 +186,7 @@ class Node:
             readable = [home / name for name in VMM_READABLE]
             for directory in (*writable, *readable):
                 directory.mkdir(parents=True, exist_ok=True)
+            os.chmod(paths.layers_dir(home), confine.UNLISTED)
             boot = (artifacts.kernel, artifacts.initramfs, artifacts.base_image, artifacts.tools_image)
             readable += [paths.cache_dir(), *{file.parent for file in boot}]
             self.mount_view = MountView.start(writable, [d for d in readable if d.is_dir()])

@@ -66,6 +66,9 @@ OWNER_ONLY = 0o600  # a handed file's mode: its VMM reads and writes it, no othe
 # A VM's directory (`sandboxes/<id>`, a warm VM's, a build's): the node's alone. QEMU opens nothing
 # in it by name (its logs, sockets, device state and streams are descriptors the node passes).
 PRIVATE_DIRECTORY = 0o700
+# The disk layers' directory: a VMM opens the layers of its own chain, whose names it is given, but
+# lists none (a paused sandbox's sealed top, say, whose name no other VMM can learn).
+UNLISTED = 0o711
 UID_MAX = 2**31 - 1  # uids past this confuse tools that read them as signed
 
 
