@@ -306,7 +306,7 @@ class Confinement:
         which pid 1 cannot ignore from an ancestor namespace) and read `/proc/<pid>/mem` of. No
         init is needed: QEMU's seccomp filter forbids it children, so it has none to reap, and
         the namespace ends with it. A thread's namespace for children is its own (the node's
-        other threads are unaffected) and is set back right after: 2 system calls per spawn.
+        other threads are unaffected) and is set back right after (four system calls per spawn).
         """
         if not self.namespaces:
             yield
