@@ -47,18 +47,23 @@ async def prepare_incoming(vm: VirtualMachine) -> None:
     await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
 
 
+async def _pass_file(vm: VirtualMachine, path: Path, flags: int, name: str) -> None:
+    """Open `path` (a new file: the node's alone) and hand QEMU the descriptor as `name` (QMP `getfd`)."""
+    fd = os.open(path, flags, confine.OWNER_ONLY)
+    try:
+        vm.qmp.send_fd_scm(fd)
+        await vm.command("getfd", fdname=name)
+    finally:
+        os.close(fd)
+
+
 async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
     """Feed a prepared QEMU the stream, wait for the load, and let the guest run.
 
     The node opens the stream and passes it (QMP `getfd`; `migrate-incoming` takes the
     descriptor over): a resume's stream lies in the sandbox's own directory, which no QEMU sees.
     """
-    fd = os.open(stream, os.O_RDONLY)
-    try:
-        vm.qmp.send_fd_scm(fd)
-        await vm.command("getfd", fdname="incoming")
-    finally:
-        os.close(fd)
+    await _pass_file(vm, stream, os.O_RDONLY, "incoming")
     await vm.command("migrate-incoming", uri="fd:incoming")
     deadline = time.monotonic() + timeout
     while (status := (await vm.command("query-status"))["status"]) == "inmigrate":
@@ -78,12 +83,7 @@ async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
     a clone is spliced onto; the device file is how that prefix is found in it.
     """
     await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
-    fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, confine.OWNER_ONLY)
-    try:
-        vm.qmp.send_fd_scm(fd)
-        await vm.command("getfd", fdname="stream")
-    finally:
-        os.close(fd)
+    await _pass_file(vm, stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "stream")
     await vm.command("migrate", uri="fd:stream")
     while True:
         status = (await vm.command("query-migrate")).get("status")
