@@ -58,7 +58,8 @@ IO_THREADS = 64
 STOP_GRACE = 5.0  # seconds past the stop deadline for pauses that wait on the store through a VM's reads
 # What QEMU reads under the home besides layers and the repository: VM directories (streams),
 # warm VMs, the s3 runtime cache.
-VMM_READABLE = ("sandboxes", "runtime", "cache")
+# Not `sandboxes`: a sandbox's files (memory deltas, device state, logs) are the node's alone.
+VMM_READABLE = ("runtime", "cache")
 
 
 def api_key(settings: Settings) -> str:
@@ -200,6 +201,7 @@ class Node:
             readable = [home / name for name in VMM_READABLE]
             for directory in (*writable, *readable):
                 directory.mkdir(parents=True, exist_ok=True)
+            os.chmod(paths.layers_dir(home), confine.UNLISTED)
             boot = (artifacts.kernel, artifacts.initramfs, artifacts.base_image, artifacts.tools_image)
             readable += [paths.cache_dir(), *{file.parent for file in boot}]
             self.mount_view = MountView.start(writable, [d for d in readable if d.is_dir()])

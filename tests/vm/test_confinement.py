@@ -1,4 +1,5 @@
-"""VMM confinement without a VM: the command line, and cgroup v1 and v2 layouts on fake trees.
+"""VMM confinement: the command line, cgroup v1 and v2 layouts on fake trees, and what a QEMU
+a guest took over reaches on a real node (`test_an_escaped_qemu_reaches_nothing_of_the_host`).
 
 Real VMs run confined in every VM test; tests/e2e/test_abuse.py checks their QEMU processes'
 capabilities, seccomp mode and cgroup limits on a real node.
@@ -6,17 +7,24 @@ capabilities, seccomp mode and cgroup limits on a real node.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
+from aenv.devnode import DevNode
 from aenv.vmm import confine
 from aenv.vmm.confine import CgroupTree, Confinement, IdentityError, Limits, RuntimeUser, VmmIdentities
 from aenv.vmm.mountview import MountView
 
+SLOT_FIRST, SLOT_COUNT = 11264, 32  # apart from every other node the suite starts
 V1_PROC = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
 V2_PROC = "0::/system.slice/aenv.service\n"
 
@@ -30,24 +38,26 @@ def fake_v1(root: Path) -> CgroupTree:
 
 
 def test_command_drops_privileges_and_enables_seccomp() -> None:
-    argv = Confinement().command(["qemu-system-x86_64", "-M", "microvm"])
+    argv = Confinement(namespaces=False).command(["qemu-system-x86_64", "-M", "microvm"])
     assert argv[: len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
     assert argv[-2:] == ["-sandbox", confine.SECCOMP]
-    plain = Confinement(seccomp=False, drop_privileges=False).command(["qemu"])
+    plain = Confinement(seccomp=False, drop_privileges=False, namespaces=False).command(["qemu"])
     assert plain == ["qemu"]
 
 
-def test_command_joins_the_mount_view_first() -> None:
+def test_command_joins_the_mount_view_then_namespaces_of_its_own() -> None:
     argv = Confinement(mount_namespace="/proc/9/ns/mnt").command(["qemu"])
     assert argv[:3] == ["nsenter", "--mount=/proc/9/ns/mnt", "--"]
-    assert argv[3 : 3 + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
+    after = 3 + len(confine.NAMESPACES)
+    assert argv[3:after] == list(confine.NAMESPACES)
+    assert argv[after : after + len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
 
 
 def test_command_runs_qemu_as_its_own_uid() -> None:
-    argv = Confinement().command(["qemu"], RuntimeUser(uid=900, gid=901, groups=(107,)))
+    argv = Confinement(namespaces=False).command(["qemu"], RuntimeUser(uid=900, gid=901, groups=(107,)))
     real = f"--rgid={confine.REAL_GROUP}"
     assert argv[:5] == ["setpriv", "--reuid=900", real, "--egid=901", "--groups=107"]
-    assert "--clear-groups" in Confinement().command(["qemu"], RuntimeUser(900, 901))
+    assert "--clear-groups" in Confinement(namespaces=False).command(["qemu"], RuntimeUser(900, 901))
 
 
 def test_every_vmm_gets_a_uid_of_its_own_until_it_exits() -> None:
@@ -233,3 +243,94 @@ def test_the_host_tree_accepts_a_group() -> None:
         confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None
     )
     assert configured.cgroups is not None
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, template_seed: Path) -> Iterator[DevNode]:
+    home = tmp_path_factory.mktemp("confinement") / "home"
+    # No warm pool and no parking: every start and resume is a new QEMU loading a stream it is passed.
+    settings = {"warm_pool_size": 0, "park_seconds": 0}
+    with DevNode(home, slot_first=SLOT_FIRST, slot_count=SLOT_COUNT, seed=template_seed, **settings) as node:
+        yield node
+
+
+def _call(node: DevNode, method: str, path: str, **body: object) -> httpx.Response:
+    headers = {"X-API-Key": node.key}
+    response = httpx.request(method, f"{node.url}{path}", json=body or None, headers=headers, timeout=300)
+    assert response.status_code < 300, response.text
+    return response
+
+
+def _state(node: DevNode, sandbox_id: str) -> dict[str, Any]:
+    return json.loads((node.home / "sandboxes" / sandbox_id / "state.json").read_text())
+
+
+def _host_address() -> str:
+    """This host's address on its default route (a UDP socket's connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))
+        return str(probe.getsockname()[0])
+
+
+def _as_qemu(pid: int, script: str) -> subprocess.CompletedProcess[str]:
+    """`script` run the way the QEMU `pid` runs: in its namespaces (mount, network, PID), as its uid
+    and group, without capabilities."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    uid, gid = fields["Uid"].split()[0], fields["Gid"].split()[1]
+    identity = [f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *confine.DROP_PRIVILEGES[1:]]
+    argv = ["nsenter", f"--target={pid}", "--mount", "--net", "--pid", "--", "setpriv", *identity]
+    return subprocess.run([*argv, "sh", "-c", script], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.vm
+def test_an_escaped_qemu_reaches_nothing_of_the_host(node: DevNode) -> None:
+    """As sandbox A's QEMU (its uid, its view, its namespaces): sandbox B's pause files are neither
+    there nor readable on the host by another uid, the node API and a host loopback listener do not
+    answer, and no host process is visible. B then resumes from those files (passed as descriptors)."""
+    a, b = (_call(node, "POST", "/sandboxes", templateID="base").json()["sandboxID"] for _ in range(2))
+    _call(node, "POST", f"/sandboxes/{b}/pause")
+    b_dir = node.home / "sandboxes" / b
+    assert b_dir.stat().st_uid == 0 and b_dir.stat().st_mode & 0o777 == 0o700  # no other uid enters it
+    pause = [path for path in b_dir.iterdir() if path.suffix in (".delta", ".devices")]
+    private = [*pause, *(b_dir / name for name in ("state.json", "serial.log", "qemu.log"))]
+    assert len(pause) == 2 and all(path.stat().st_mode & 0o077 == 0 for path in private), [
+        (path.name, oct(path.stat().st_mode)) for path in private
+    ]
+    pid = int(_state(node, a)["pid"])
+    listener = socket.create_server(("0.0.0.0", 0))  # on every host address, loopback included
+    try:
+        port = listener.getsockname()[1]
+        probe = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)"
+        checks = {
+            "uid": "id -u",
+            "sandboxes": f"ls {node.home / 'sandboxes'}",
+            "pause delta": f"head -c 1 {_state(node, b)['delta']}",
+            "node api": f'python3 -c "{probe}" 127.0.0.1 {node.port}',
+            "host loopback": f'python3 -c "{probe}" 127.0.0.1 {port}',
+            "host network": f'python3 -c "{probe}" {_host_address()} {port}',
+            "processes": "cat /proc/[0-9]*/comm | sort -u | xargs",
+            "pid 1": "cat /proc/1/comm",
+            "own layer": f"head -c 3 {node.home / 'layers' / _state(node, a)['disk_layers'][-1]}.qcow2",
+            "layers": f"ls {node.home / 'layers'}",
+            "interfaces": "tail -n +3 /proc/net/dev",
+        }
+        done = {name: _as_qemu(pid, script) for name, script in checks.items()}
+    finally:
+        listener.close()
+    assert done["uid"].stdout.strip() not in ("", "0"), done["uid"]
+    for name in ("sandboxes", "pause delta"):
+        assert "No such file" in done[name].stderr, done[name]
+    for name in ("node api", "host loopback", "host network"):
+        assert "Network is unreachable" in done[name].stderr, done[name]
+    visible = set(done["processes"].stdout.split())  # QEMU (pid 1) and this script's processes
+    assert "qemu-system-x86" in visible and visible <= {"qemu-system-x86", "sh", "cat", "sort", "xargs"}, (
+        visible
+    )
+    assert done["pid 1"].stdout.strip().startswith("qemu-system"), done["pid 1"]
+    assert done["own layer"].stdout == "QFI", done["own layer"]  # its own top layer, a qcow2
+    assert "Permission denied" in done["layers"].stderr, done["layers"]  # but no list of the others
+    assert done["interfaces"].stdout.split()[:1] == ["lo:"], done["interfaces"]  # an empty network
+    _call(node, "POST", f"/sandboxes/{b}/resume")
+    assert _state(node, b)["paused"] is False
+    for sandbox in (a, b):
+        _call(node, "DELETE", f"/sandboxes/{sandbox}")

@@ -66,9 +66,11 @@ def clock_payload() -> dict[str, Any]:
 
 def replace_text(path: Path, text: str) -> None:
     """Replace `path` with `text`, whole or not at all for a reader or a crash of this process (not
-    fsynced: node-local state that a host crash takes along with the VMs it describes)."""
+    fsynced: node-local state that a host crash takes along with the VMs it describes). Mode 0600:
+    the node's alone."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+        file.write(text)
     os.replace(tmp, path)
 
 

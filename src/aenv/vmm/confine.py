@@ -6,16 +6,20 @@ QEMU a guest took over can neither signal another VM's QEMU nor open its files. 
 empty capability bounding set and `no_new_privs` (applied by util-linux `setpriv`, which execs
 QEMU in place, so the node still watches, reads and adopts QEMU's own pid), a root of its own
 holding only the files VMs need (`aenv.vmm.mountview`, joined with `nsenter`, which also execs
-in place), QEMU's seccomp sandbox with the obsolete, privilege-raising, process-spawning and
-resource-control system calls denied, and a cgroup of its own that bounds its CPU time to its
-vCPUs, its memory to guest RAM plus the VMM's measured overhead, and its thread count.
+in place), namespaces of its own (`Confinement.spawning`: it is pid 1 of a PID namespace, with a
+/proc of that namespace, in an empty network namespace: it sees no other process and reaches no
+address, its tap being a descriptor), QEMU's seccomp sandbox with the obsolete,
+privilege-raising, process-spawning and resource-control system calls denied, and a cgroup of
+its own that bounds its CPU time to its vCPUs, its memory to guest RAM plus the VMM's measured
+overhead, and its thread count.
 
 Files: a VMM's uid owns only what its QEMU writes through a path, its top disk layer (and a
 template build's memory file), handed over at spawn (mode 0600: no other VMM reads it either)
 and taken back (`reclaim`) when a seal freezes that layer or the process exits; everything
 else it reads (memory images, sealed layers, boot files, state streams) stays the node's and
-read-only to it, and what it writes otherwise (logs, device state, streams) or listens on (the
-recovery monitor) the node opens and passes as file descriptors. `/dev/kvm` it opens through
+read-only to it, and what it writes otherwise (logs, device state, streams), loads (a start's or
+resume's device state) or listens on (the recovery monitor) the node opens and passes as file
+descriptors. A VM's own directory (`PRIVATE_DIRECTORY`) is not in its view. `/dev/kvm` it opens through
 the device's group, which every VMM gets as a supplementary group.
 
 Cgroups: v2 (one unified tree) on modern hosts, v1 (one tree per controller) elsewhere; the
@@ -26,9 +30,11 @@ whatever bounds the node also bounds its VMs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import pwd
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +42,10 @@ log = logging.getLogger(__name__)
 
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 DROP_PRIVILEGES = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--")
+# An empty network namespace and a mount namespace (a copy of the view) with a /proc of QEMU's own
+# PID namespace; util-linux `unshare` execs in place, as root, before the privilege drop.
+NAMESPACES = ("unshare", "--net", "--mount-proc", "--")
+CLONE_NEWPID = 0x20000000
 # QEMU's real group, different from its effective one (its own group): the kernel then marks
 # every VMM non-dumpable at exec, so that no process of another uid without privileges (and no
 # other VMM) traces or reads it (ptrace, /proc/<pid>/mem, process_vm_readv). The overflow group
@@ -53,6 +63,12 @@ V2_NODE_LEAF = "aenv-node"
 # Present only where the kernel accounts swap per group; without it there is no swap to bound.
 OPTIONAL = frozenset({"memory.swap.max"})
 OWNER_ONLY = 0o600  # a handed file's mode: its VMM reads and writes it, no other VMM opens it
+# A VM's directory (`sandboxes/<id>`, a warm VM's, a build's): the node's alone. QEMU opens nothing
+# in it by name (its logs, sockets, device state and streams are descriptors the node passes).
+PRIVATE_DIRECTORY = 0o700
+# The disk layers' directory: a VMM opens the layers of its own chain, whose names it is given, but
+# lists none (a paused sandbox's sealed top, say, whose name no other VMM can learn).
+UNLISTED = 0o711
 UID_MAX = 2**31 - 1  # uids past this confuse tools that read them as signed
 
 
@@ -257,6 +273,7 @@ class Confinement:
     memory_overhead_mib: int = 192
     pids: int = 256
     identities: VmmIdentities | None = None  # None: QEMU stays uid 0 (without capabilities if dropped)
+    namespaces: bool = True  # QEMU in PID, network and mount namespaces of its own (`spawning`)
 
     def identity(self) -> RuntimeUser | None:
         """A uid for a QEMU about to start (give it back with `release` once it exited)."""
@@ -267,16 +284,42 @@ class Confinement:
         return self.identities.adopt(pid) if self.identities is not None else None
 
     def command(self, argv: list[str], user: RuntimeUser | None = None) -> list[str]:
-        """QEMU's command line, with its seccomp filter, behind the privilege drop (to `user`) and
-        the mount view."""
+        """QEMU's command line, with its seccomp filter, behind the privilege drop (to `user`), its
+        namespaces and the mount view (spawn it inside `spawning`)."""
         if self.seccomp:
             argv = [*argv, "-sandbox", SECCOMP]
         if self.drop_privileges:
             identity = user.setpriv() if user is not None else []
             argv = [DROP_PRIVILEGES[0], *identity, *DROP_PRIVILEGES[1:], *argv]
+        if self.namespaces:
+            argv = [*NAMESPACES, *argv]
         if self.mount_namespace is not None:
             argv = ["nsenter", f"--mount={self.mount_namespace}", "--", *argv]
         return argv
+
+    @contextlib.contextmanager
+    def spawning(self) -> Iterator[None]:
+        """The one process this thread spawns inside is pid 1 of a new PID namespace.
+
+        QEMU (`command` execs in place down to it) is then that namespace's only process: it sees
+        no other process in its /proc, and the node keeps its host pid to wait on, signal (SIGKILL,
+        which pid 1 cannot ignore from an ancestor namespace) and read `/proc/<pid>/mem` of. No
+        init is needed: QEMU's seccomp filter forbids it children, so it has none to reap, and
+        the namespace ends with it. A thread's namespace for children is its own (the node's
+        other threads are unaffected) and is set back right after (four system calls per spawn).
+        """
+        if not self.namespaces:
+            yield
+            return
+        own = os.open("/proc/thread-self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _namespace_call(_libc.unshare(CLONE_NEWPID), "unshare a PID namespace")
+            try:
+                yield
+            finally:
+                _namespace_call(_libc.setns(own, CLONE_NEWPID), "return to the node's PID namespace")
+        finally:
+            os.close(own)
 
     @staticmethod
     def hand_over(path: Path, user: RuntimeUser | None) -> None:
@@ -316,6 +359,15 @@ class Confinement:
         if self.cgroups is not None:
             self.cgroups.remove(group_name(pid))
             self.cgroups.remove_unused()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _namespace_call(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot {what}: {os.strerror(errno)}")
 
 
 def _running(pid: int) -> bool:
@@ -371,5 +423,5 @@ def from_settings(
     limits = {"memory_overhead_mib": memory_overhead_mib, "pids": pids}
     return Confinement(
         seccomp=confine, drop_privileges=confine, mount_namespace=mount_namespace, cgroups=tree,
-        identities=identities if confine else None, **limits,
+        identities=identities if confine else None, namespaces=confine, **limits,
     )  # fmt: skip

@@ -1,12 +1,12 @@
 """One QEMU `microvm` process: its command line, its QMP monitor and its lifetime.
 
 QEMU gets the tap, its main QMP socket, its recovery monitor's listening socket and its serial
-console's listening socket as inherited file descriptors, so it needs no network namespace of its
-own, no polling for a socket to appear after spawn, and no right to create files
-(`aenv.vmm.confine`). The node reads the console into a bounded ring (`aenv.vmm.serial`). It runs in a
-session of its own and outlives the node process; a second monitor on a socket in its
-directory lets a restarted node adopt it. Exit is watched through a pidfd, which works the same
-for processes this node spawned and for adopted ones.
+console's listening socket as inherited file descriptors, so it runs in an empty network
+namespace of its own, needs no polling for a socket to appear after spawn, and no right to create
+files (`aenv.vmm.confine`). The node reads the console into a bounded ring (`aenv.vmm.serial`).
+It runs in a session (and a PID namespace) of its own and outlives the node process; a second
+monitor on a socket in its directory lets a restarted node adopt it. Exit is watched through a
+pidfd, which works the same for processes this node spawned and for adopted ones.
 """
 
 from __future__ import annotations
@@ -286,15 +286,22 @@ def _listening(workdir: Path, name: str) -> socket.socket:
 
 
 def _spawn(
-    argv: list[str], workdir: Path, qmp_fd: int, tap_fd: int | None, memory: Path | None
+    confinement: confine.Confinement,
+    argv: list[str],
+    workdir: Path,
+    qmp_fd: int,
+    tap_fd: int | None,
+    memory: Path | None,
 ) -> tuple[int, socket.socket]:
     """posix_spawn QEMU in a new session with only the descriptors and environment it needs,
-    without transparent huge pages (`_without_huge_pages`) and, with memory merging on, with a
-    fixed layout (`merge.fixed_layout`). Returns its pid and the node's end of its serial console.
+    as pid 1 of a PID namespace of its own (`confinement.spawning`), without transparent huge
+    pages (`_without_huge_pages`) and, with memory merging on, with a fixed layout
+    (`merge.fixed_layout`). Returns its pid and the node's end of its serial console.
 
-    `argv` may start with a wrapper that execs QEMU in place (`confine.DROP_PRIVILEGES`). The
-    node opens QEMU's log and binds its sockets, so QEMU never creates a file. The node connects
-    to the console before QEMU runs, so QEMU accepts it before the guest writes a byte.
+    `argv` may start with wrappers that exec QEMU in place (`confine.Confinement.command`). The
+    node opens QEMU's log (mode 0600: another VMM's uid reads it not) and binds its sockets, so
+    QEMU never creates a file. The node connects to the console before QEMU runs, so QEMU accepts
+    it before the guest writes a byte.
     """
     append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
     console = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -306,7 +313,7 @@ def _spawn(
                 console.connect(path)  # queued until QEMU accepts it
             actions: list[tuple[Any, ...]] = [
                 (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_OPEN, 1, str(workdir / "qemu.log"), append, 0o644),
+                (os.POSIX_SPAWN_OPEN, 1, str(workdir / "qemu.log"), append, confine.OWNER_ONLY),
                 (os.POSIX_SPAWN_DUP2, 1, 2),
                 (os.POSIX_SPAWN_DUP2, qmp_fd, _QMP_FD),
                 (os.POSIX_SPAWN_DUP2, recovery.fileno(), _RECOVERY_FD),
@@ -316,7 +323,7 @@ def _spawn(
                 actions.append((os.POSIX_SPAWN_DUP2, tap_fd, _TAP_FD))
             if memory is not None:
                 actions.append((os.POSIX_SPAWN_OPEN, _MEMORY_FD, str(memory), os.O_RDWR | os.O_CREAT, 0o644))
-            with _without_huge_pages(), merge.fixed_layout():
+            with _without_huge_pages(), merge.fixed_layout(), confinement.spawning():
                 pid = os.posix_spawnp(argv[0], argv, QEMU_ENVIRONMENT, file_actions=actions, setsid=True)
         except BaseException:
             console.close()
@@ -348,6 +355,7 @@ class VirtualMachine:
     ) -> VirtualMachine:
         """Start QEMU and connect its monitor. With `incoming`, it waits for migration state."""
         workdir.mkdir(parents=True, exist_ok=True)
+        os.chmod(workdir, confine.PRIVATE_DIRECTORY)  # also one an earlier version made open
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = config.argv(
             tap_fd=_TAP_FD if tap_fd is not None else None, qmp_fd=_QMP_FD, workdir=workdir, incoming=incoming
@@ -362,7 +370,8 @@ class VirtualMachine:
                 shared.touch()  # QEMU sizes it; the node owns the name
             for path in handed:
                 confinement.hand_over(path, user)
-            pid, console = _spawn(confinement.command(argv, user), workdir, theirs.fileno(), tap_fd, shared)
+            command = confinement.command(argv, user)
+            pid, console = _spawn(confinement, command, workdir, theirs.fileno(), tap_fd, shared)
         except BaseException:
             for path in handed:
                 confinement.reclaim(path, user)

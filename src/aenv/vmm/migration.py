@@ -14,7 +14,7 @@ here is one step the snapshot engine and the benchmark floors compose:
   its guest runs (start, resume, warm VMs).
 
 QEMU runs as an unprivileged user that may create no file (`aenv.vmm.confine`): the files it
-saves into are opened by the node and passed over QMP, and a sealed layer's successor is
+saves into and loads from are opened by the node and passed over QMP, and a sealed layer's successor is
 created by the node, handed to QEMU's user, and the sealed layer taken back.
 """
 
@@ -47,9 +47,24 @@ async def prepare_incoming(vm: VirtualMachine) -> None:
     await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
 
 
+async def _pass_file(vm: VirtualMachine, path: Path, flags: int, name: str) -> None:
+    """Open `path` (a new file: the node's alone) and hand QEMU the descriptor as `name` (QMP `getfd`)."""
+    fd = os.open(path, flags, confine.OWNER_ONLY)
+    try:
+        vm.qmp.send_fd_scm(fd)
+        await vm.command("getfd", fdname=name)
+    finally:
+        os.close(fd)
+
+
 async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
-    """Feed a prepared QEMU the stream, wait for the load, and let the guest run."""
-    await vm.command("migrate-incoming", uri=f"file:{stream}")
+    """Feed a prepared QEMU the stream, wait for the load, and let the guest run.
+
+    The node opens the stream and passes it (QMP `getfd`; `migrate-incoming` takes the
+    descriptor over): a resume's stream lies in the sandbox's own directory, which no QEMU sees.
+    """
+    await _pass_file(vm, stream, os.O_RDONLY, "incoming")
+    await vm.command("migrate-incoming", uri="fd:incoming")
     deadline = time.monotonic() + timeout
     while (status := (await vm.command("query-status"))["status"]) == "inmigrate":
         if time.monotonic() > deadline:
@@ -68,12 +83,7 @@ async def save(vm: VirtualMachine, stream: Path, devices: Path) -> None:
     a clone is spliced onto; the device file is how that prefix is found in it.
     """
     await vm.command("migrate-set-capabilities", capabilities=_IGNORE_SHARED)
-    fd = os.open(stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        vm.qmp.send_fd_scm(fd)
-        await vm.command("getfd", fdname="stream")
-    finally:
-        os.close(fd)
+    await _pass_file(vm, stream, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "stream")
     await vm.command("migrate", uri="fd:stream")
     while True:
         status = (await vm.command("query-migrate")).get("status")
@@ -95,7 +105,7 @@ async def capture_devices(vm: VirtualMachine, devices: Path) -> None:
     of three (each is ~0.45 ms through the QMP client here, against 0.1 ms on a raw socket).
     """
     fdset = secrets.randbelow(_FDSET_IDS) + _FDSET_FIRST
-    fd = os.open(devices, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(devices, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, confine.OWNER_ONLY)
     try:
         vm.qmp.send_fd_scm(fd)
         added, saved, _ = await asyncio.gather(
