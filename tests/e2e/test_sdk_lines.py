@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,33 +39,26 @@ print(json.dumps(outcome))
 """
 
 
-def old_sdk_python(tmp_root: Path) -> Path:
-    """A venv's python with SDK 2.45 installed, reused across runs."""
+def old_sdk_python() -> Path:
+    """A venv's python with SDK 2.45 installed, made once and reused (`.installed` marks it whole)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aenv-e2e"
     target = cache / f"py-{OLD_SDK.replace('==', '-')}"
-    python = target / "bin" / "python"
     if not (target / ".installed").exists():
-        staging = tmp_root / "venv"
-        subprocess.run([sys.executable, "-m", "venv", str(staging)], check=True)
-        result = subprocess.run(
-            [str(staging / "bin" / "pip"), "install", "-q", OLD_SDK], capture_output=True, text=True, timeout=600
-        )
+        shutil.rmtree(target, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+        pip = [str(target / "bin" / "pip"), "install", "-q", OLD_SDK]
+        result = subprocess.run(pip, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             pytest.fail(f"pip install {OLD_SDK} failed (is PyPI reachable?):\n{result.stderr}")
-        # A venv's scripts name its own path: build it where it stays.
-        subprocess.run(["rm", "-rf", str(target)], check=True)
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-        subprocess.run([str(target / "bin" / "pip"), "install", "-q", OLD_SDK], check=True, timeout=600)
         (target / ".installed").touch()
-    return python
+    return target / "bin" / "python"
 
 
-def test_kill_during_a_background_command_sdk_2_45(node: NodeServer, tmp_path: Path) -> None:
+def test_kill_during_a_background_command_sdk_2_45(node: NodeServer) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(E2B_API_URL=node.url, E2B_SANDBOX_URL=node.url, E2B_API_KEY=node.key)
     result = subprocess.run(
-        [str(old_sdk_python(tmp_path)), "-c", KILLED_BACKGROUND_COMMAND],
+        [str(old_sdk_python()), "-c", KILLED_BACKGROUND_COMMAND],
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
