@@ -270,7 +270,7 @@ def test_s3_two_nodes(reader: Reader, tmp_path: Path) -> None:
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for url in urls:
-            out = _wait_for(f"a sandbox on {url}", lambda u=url: _try(_sdk_round_trip, u, key), shell, 900)
+            out = _wait_for(f"a sandbox on {url}", lambda u=url: _try(_sdk_round_trip, u, key), shell, 600)
             assert out == "usable\n"
     finally:
         shell.stop()
