@@ -91,7 +91,11 @@ def test_code_interpreter(clean_node: DevNode, reader: Reader) -> None:
     full_build = ".venv/bin/python templates/code-interpreter/template.py          # with matplotlib"
     chart = 'chart = sandbox.run_code("import matplotlib.pyplot as plt; plt.plot([1, 4, 9]); plt.show()")'
     png = "print(len(chart.results[0].png))"
-    text = substitute(block, [(full_build, "# " + full_build), (chart, "# " + chart), (png, "# " + png)])
+    lean = ".venv/bin/python templates/code-interpreter/template.py --lean"
+    text = substitute(
+        block,
+        [(full_build, "# " + full_build), ("# " + lean, lean), (chart, "# " + chart), (png, "# " + png)],
+    )
     env = {"E2B_API_URL": clean_node.url, "E2B_SANDBOX_URL": clean_node.url, "E2B_API_KEY": clean_node.key}
     try:
         result = reader.run(block.lang, text, **env)
