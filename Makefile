@@ -7,25 +7,38 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test host-deps venv artifacts lint bench clean-venv
+.PHONY: run test host-deps host-deps-runtime venv venv-test artifacts lint bench clean-venv
 
+# A node needs only the runtime parts (host packages with --runtime, the package with its `server`
+# extra); the suite adds its own (a local registry, skopeo, Node.js, the `test` extra).
 run: venv artifacts
 	$(PY) -m aenv.cli server
 
-test: venv artifacts
+test: venv-test artifacts
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+host-deps-runtime:
+	@bash scripts/install-host-deps.sh --runtime
 
 host-deps:
 	@bash scripts/install-host-deps.sh
 
-# The venv is rebuilt when pyproject.toml changes (the stamp records its content).
-venv: host-deps $(VENV)/.installed
+# Each venv stamp is redone when pyproject.toml changes; `make run` then `make test` adds the
+# test extra, `make test` alone sets everything up.
+venv: $(VENV)/.installed-server
+venv-test: $(VENV)/.installed-test
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-server: pyproject.toml | host-deps-runtime
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[server]'
+	@touch $@
+
+$(VENV)/.installed-test: pyproject.toml | host-deps
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[server,test]'
 	@touch $@
 
 artifacts: venv
@@ -34,10 +47,10 @@ artifacts: venv
 # Node-level benchmark on real VMs: one table against the targets, JSON in bench/results/.
 # BENCH_MODE=quick (a few minutes), full, or smoke; BENCH_ARGS="--only create,resume --profile resume".
 BENCH_MODE ?= quick
-bench: venv artifacts
+bench: venv-test artifacts
 	$(PY) -m bench --mode $(BENCH_MODE) $(BENCH_ARGS)
 
-lint: venv
+lint: venv-test
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install aenv on a Debian 12/13 (or recent Ubuntu) host as systemd services, as root:
+# Install aenv on a Debian 12 or 13 host as systemd services, as root:
 #   /opt/aenv                    a venv with the aenv package (from this source tree or --wheel)
 #   /etc/aenv/{server,gateway,scheduler}.env    each service's own settings (kept when present)
 #   /etc/aenv/cluster.env        the cluster's shared settings and secrets (mode 0600), made when
@@ -87,7 +87,8 @@ install_venv() {
         package=$staging
     fi
     log "installing ${wheel:-$SOURCE} into $VENV"
-    "$VENV/bin/pip" install -q "${pip_args[@]}" "$package"
+    # The `server` extra: a node's, gateway's and scheduler's dependencies (the bare package is the CLI).
+    "$VENV/bin/pip" install -q "${pip_args[@]}" "$package[server]"
     # The same version again still replaces the code (an upgrade from a newer tree or wheel).
     "$VENV/bin/pip" install -q --no-deps --force-reinstall "${pip_args[@]}" "$package"
     install -D -m 0644 "$SOURCE/docs/deploy.md" "$VENV/share/doc/aenv/deploy.md"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what an aenv node needs on Debian 12 (bookworm) or 13 (trixie), as root.
+# Install what an aenv node needs on Debian 12 (bookworm) or 13 (trixie), as root; other
+# systems are refused unless everything is already present.
 # Idempotent: when every package is present and QEMU is >= 10.0 it exits without touching apt.
 # --runtime: only what a deployed node runs with (deploy/install.sh, the server image), without
 # the packages the test suite alone needs.
@@ -68,11 +69,14 @@ if qemu_ok && [ -z "$missing" ]; then
     exit 0
 fi
 
+# Checked on Debian 12 and 13 only. Elsewhere the packages differ (Ubuntu has no
+# linux-image-amd64, and its LTS releases ship QEMU < 10), so the script refuses rather than
+# leave a half-working host; a host that already has everything passed the check above.
 . /etc/os-release
 export DEBIAN_FRONTEND=noninteractive
 qemu_target=()
-case "${VERSION_CODENAME:-}" in
-    bookworm)
+case "${ID:-}:${VERSION_CODENAME:-}" in
+    debian:bookworm)
         list=/etc/apt/sources.list.d/bookworm-backports.list
         if ! grep -rqs '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
             log "adding bookworm-backports"
@@ -80,8 +84,13 @@ case "${VERSION_CODENAME:-}" in
         fi
         qemu_target=(-t bookworm-backports)
         ;;
-    trixie | forky | sid) ;;
-    *) log "untested distribution '${PRETTY_NAME:-unknown}': trying the stock packages" ;;
+    debian:trixie) ;;
+    *)
+        log "unsupported system '${PRETTY_NAME:-unknown}': host setup is checked on Debian 12 (bookworm)"
+        log "and 13 (trixie) only; a node needs QEMU >= $MIN_QEMU_MAJOR.0 and Debian's guest kernel package."
+        log "missing here: ${missing//$'\n'/ }"
+        exit 1
+        ;;
 esac
 
 log "installing: ${missing//$'\n'/ } ${QEMU_PACKAGES[*]}"

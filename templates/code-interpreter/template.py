@@ -1,5 +1,5 @@
 """Build the ``code-interpreter-v1`` template (the ``e2b-code-interpreter`` SDK's default) with
-the official E2B SDK against a node: ``python templates/code-interpreter/template.py``
+the official E2B SDK against a node: ``.venv/bin/python templates/code-interpreter/template.py``
 (``E2B_API_URL``, ``E2B_API_KEY`` point at the node, as for any SDK call).
 
 The Dockerfile beside this file is the template; this adds matplotlib (charts come back as PNG

@@ -187,7 +187,7 @@ def run(argv: list[str], stdin: bytes = b"") -> int:
 
 
 def configure_network(dns: str) -> None:
-    """Static addressing on the point-to-point link to the host's tap (design.md §2)."""
+    """Static addressing on the point-to-point link to the host's tap (docs/design.md, Platform)."""
     commands = [b"link set lo up"]
     if os.path.exists("/sys/class/net/eth0"):
         commands += [

@@ -38,7 +38,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from ..agent.envd import ENVD_PORT
-from ..agent.envd.connect import FLAG_END_STREAM, envelope, envelopes
+from ..agent.envd.framing import FLAG_END_STREAM, envelope, envelopes
 from ..cluster.auth import CLUSTER_SECRET_HEADER
 from ..config import Settings
 from ..orchestrator.errors import InvalidRequest, SandboxError

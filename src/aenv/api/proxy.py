@@ -21,6 +21,8 @@ import json
 import logging
 import posixpath
 import re
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -329,6 +331,23 @@ async def _read_final_head(reader: asyncio.StreamReader, method: str) -> _Respon
     while (head := await _read_response_head(reader, method)).status < 200 and head.status != 101:
         pass
     return head
+
+
+def _reset(transport: asyncio.BaseTransport | None) -> None:
+    """Close a client connection with a TCP reset rather than a FIN.
+
+    The SDKs tell "sandbox killed" from a network failure by probing envd's `/health` after a
+    dropped stream, and only for transport failures: the Python SDK's HTTP client (pyqwest) reports
+    a reset as a `ReadError` (probed), but a FIN inside a chunked body as a `RemoteProtocolError`,
+    which SDK 2.4x maps to the generic "sandbox timeout" message without probing.
+    """
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 async def _relay_body(reader: asyncio.StreamReader, resp: web.StreamResponse, head: _ResponseHead) -> None:
@@ -679,11 +698,10 @@ class SandboxProxy:
             complete = True
             await resp.write_eof()
         except (*_BROKEN, ValueError) as exc:
-            # The guest or the client went away mid-body: close the client connection without
+            # The guest or the client went away mid-body: reset the client connection without
             # completing the message, so a truncated body is never mistaken for a whole one.
             log.debug("proxied response ended early: %r", exc)
-            if request.transport is not None:
-                request.transport.close()
+            _reset(request.transport)
         finally:
             if sender is not None and not sender.done():
                 sender.cancel()

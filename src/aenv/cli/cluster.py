@@ -11,14 +11,15 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..cluster.client import SchedulerClient
 from ..config import ConfigError, load_settings
-from ..orchestrator.errors import SandboxError
 from . import output
-from .common import output_flag
+from .common import output_flag, server_part
 from .config import CLIError
+
+if TYPE_CHECKING:
+    from ..cluster.client import SchedulerClient
 
 T = TypeVar("T")
 
@@ -70,16 +71,12 @@ def scheduler_flag(default: object) -> argparse.ArgumentParser:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    from ..cluster.scheduler import main as serve
-
-    serve()
+    server_part(".cluster.scheduler").main()
     return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    from ..cluster.gateway import main as serve
-
-    serve()
+    server_part(".cluster.gateway").main()
     return 0
 
 
@@ -92,9 +89,11 @@ def _ask(args: argparse.Namespace, call: Callable[[SchedulerClient], Awaitable[T
     url = args.scheduler_url or settings.scheduler_url
     if not url:
         raise CLIError("no scheduler: set AENV_SCHEDULER_URL or pass --scheduler-url")
+    client_module = server_part(".cluster.client")
+    errors = server_part(".orchestrator.errors")
 
     async def ask() -> T:
-        client = SchedulerClient(url, settings.cluster_secret)
+        client = client_module.SchedulerClient(url, settings.cluster_secret)
         try:
             return await call(client)
         finally:
@@ -102,7 +101,7 @@ def _ask(args: argparse.Namespace, call: Callable[[SchedulerClient], Awaitable[T
 
     try:
         return asyncio.run(ask())
-    except SandboxError as exc:
+    except errors.SandboxError as exc:
         raise CLIError(exc.message) from None
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+from types import ModuleType
 
 from . import config
 from .api import Api
+from .config import CLIError
 
 
 def output_flag() -> argparse.ArgumentParser:
@@ -16,6 +19,23 @@ def output_flag() -> argparse.ArgumentParser:
         help="output format (default: table on a terminal, JSON when piped)",
     )  # fmt: skip
     return parent
+
+
+def server_part(name: str) -> ModuleType:
+    """Import a module of the server side (`aenv server`, `scheduler`, `gateway`, `node`).
+
+    Imported when such a command runs, never at start: a client-only install (`pip install aenv`,
+    without the `server` extra) has none of their dependencies, and the other commands need none.
+    """
+    try:
+        return importlib.import_module(name, "aenv")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "aenv":
+            raise
+        raise CLIError(
+            f"this command needs the server's dependencies ({exc.name} is missing): "
+            "pip install 'aenv[server]'"
+        ) from None
 
 
 def key_value(text: str) -> tuple[str, str]:

@@ -16,7 +16,7 @@ import httpx
 
 from .. import __version__
 from ..agent.envd import ENVD_PORT
-from ..agent.envd.connect import FLAG_END_STREAM, envelope, envelopes
+from ..agent.envd.framing import FLAG_END_STREAM, envelope, envelopes
 from .api import unreachable
 from .config import CLIError
 

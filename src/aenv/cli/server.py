@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .common import server_part
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("server", help="run the node: API, proxy and VMs (AENV_* settings)")
@@ -11,7 +13,5 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..node import main as serve
-
-    serve()
+    server_part(".node").main()
     return 0

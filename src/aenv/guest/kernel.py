@@ -1,8 +1,8 @@
 """Guest kernel: find it and extract the uncompressed ELF ``vmlinux`` that QEMU boots by PVH.
 
 PVH boot of the ELF skips the real-mode setup and the in-guest decompressor, which under TCG
-is most of the boot time (2.0 s against 5.2 s for the bzImage, design.md §2). The default
-kernel is the newest ``/boot/vmlinuz-*`` (Debian's linux-image-amd64) that has its modules
+is most of the boot time (2.0 s against 5.2 s for the bzImage; docs/design.md, Platform). The
+default kernel is the newest ``/boot/vmlinuz-*`` (Debian's linux-image-amd64) that has its modules
 installed; ``AENV_KERNEL`` names another bzImage or a ready vmlinux.
 """
 

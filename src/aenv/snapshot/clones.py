@@ -1,7 +1,7 @@
 """A guest restored from a committed snapshot into a fresh QEMU, and a sandbox's state captured back.
 
-Restore (design.md §3): QEMU maps the snapshot's memory image copy-on-write and waits for
-incoming state; the snapshot's (or the sandbox's) changed pages are written into its RAM from
+Restore (docs/design.md, Memory snapshots): QEMU maps the snapshot's memory image copy-on-write
+and waits for incoming state; the snapshot's (or the sandbox's) changed pages are written into its RAM from
 `/proc`, then a stream of the snapshot's vmstate prefix and device sections is loaded and the
 guest runs. Capture is the reverse with the guest stopped: device sections over QMP, then the
 private pages of the mapping as a delta layer. The QMP steps are `aenv.vmm.migration`'s; the

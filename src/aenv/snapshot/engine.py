@@ -1,7 +1,7 @@
 """The snapshot engine: one object the orchestrator, node, tests and bench drive, made of parts.
 
-Mechanism (design.md §3): a template boots with its RAM in a shared file, which becomes the
-immutable memory image; every sandbox maps that image privately, so the pages it changes are
+Mechanism (docs/design.md, Memory snapshots): a template boots with its RAM in a shared file,
+which becomes the immutable memory image; every sandbox maps that image privately, so the pages it changes are
 its own anonymous pages. Pause and snapshot save device state without RAM plus those pages (a
 delta layer); restore spawns QEMU on the image, writes the delta back, and loads the template's
 stream prefix spliced with the sandbox's device sections. Disks are qcow2 chains

@@ -22,7 +22,7 @@ import aiohttp
 import h11
 
 from ..agent.envd import ENVD_PORT
-from ..agent.envd.connect import FLAG_END_STREAM, MessageTooLarge, envelope, envelopes
+from ..agent.envd.framing import FLAG_END_STREAM, MessageTooLarge, envelope, envelopes
 from ..clock import rfc3339
 from ..network.netns import GUEST_ADDRESS, SandboxNetwork
 

@@ -6,18 +6,23 @@ import asyncio
 import errno
 import json
 import logging
-import struct
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from .framing import (
+    FLAG_COMPRESSED,
+    FLAG_END_STREAM,
+    MAX_MESSAGE_BYTES,
+    Message,
+    envelope,
+    envelope_header,
+)
+
 JSON_CT = "application/json"
 STREAM_CT = "application/connect+json"
-FLAG_COMPRESSED = 0x01
-FLAG_END_STREAM = 0x02
 DEFAULT_KEEPALIVE_S = 90.0
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 # Canonical Connect code -> HTTP status (connect protocol spec).
 HTTP_STATUS = {
@@ -39,7 +44,6 @@ HTTP_STATUS = {
     "unauthenticated": 401,
 }
 
-Message = dict[str, Any]
 log = logging.getLogger(__name__)
 
 
@@ -85,44 +89,6 @@ def field(msg: Message | None, camel: str, snake: str | None = None, default: An
     if snake is not None and snake in msg:
         return msg[snake]
     return default
-
-
-ENVELOPE_HEADER = 5  # bytes: one flags byte, then the payload's length (big-endian uint32)
-
-
-def envelope(payload: bytes, flags: int = 0) -> bytes:
-    """One Connect streaming envelope (the host's envd clients frame requests with it too)."""
-    return struct.pack(">BI", flags, len(payload)) + payload
-
-
-def envelope_header(header: bytes) -> tuple[int, int]:
-    """The flags and payload length of an envelope's header."""
-    flags, length = struct.unpack(">BI", header)
-    return flags, length
-
-
-class MessageTooLarge(ValueError):
-    """An envelope announced a message larger than its reader takes."""
-
-
-async def envelopes(
-    chunks: AsyncIterable[bytes], limit: int = MAX_MESSAGE_BYTES
-) -> AsyncIterator[tuple[int, Message]]:
-    """The envelopes of a streamed body, as it arrives in chunks: each one's flags and JSON
-    message (the host's envd clients read responses with it). A message announced larger than
-    `limit` bytes is `MessageTooLarge`, before it is read: the other side may be hostile."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        while len(buffer) >= ENVELOPE_HEADER:
-            flags, size = envelope_header(buffer[:ENVELOPE_HEADER])
-            if size > limit:
-                raise MessageTooLarge(f"a message of {size} bytes, more than the {limit} taken")
-            end = ENVELOPE_HEADER + size
-            if len(buffer) < end:
-                break
-            yield flags, json.loads(buffer[ENVELOPE_HEADER:end] or b"{}")
-            buffer = buffer[end:]
 
 
 def encode_message(msg: Message) -> bytes:
