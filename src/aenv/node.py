@@ -40,7 +40,7 @@ from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
-from .snapshot.repository import SnapshotNotFound
+from .snapshot.repository import AliasConflict, SnapshotNotFound
 from .storage.open import Storage, open_storage
 from .storage.peers import BlobServer
 from .telemetry import Telemetry
@@ -236,9 +236,18 @@ class Node:
                 return manifest.id
             log.warning("the %s template cannot run here (%s): building it again", BASE_TEMPLATE, problem)
             engine.repository.delete(manifest.id, defer=True)
-        manifest = await engine.build_template(
-            BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
-        )
+        try:
+            manifest = await engine.build_template(
+                BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
+            )
+        except AliasConflict:
+            # Another node of the same shared repository built it meanwhile (two fresh nodes
+            # started together): its build is as good as ours, which the repository withdrew.
+            manifest = engine.repository.get(BASE_TEMPLATE)
+            if problem := await engine.incompatibility(manifest):
+                message = f"the {BASE_TEMPLATE} template another node built cannot run here: {problem}"
+                raise RuntimeError(message) from None
+            log.info("another node built the %s template meanwhile: using it", BASE_TEMPLATE)
         return manifest.id
 
     async def _close_orchestrator(self, orchestrator: Orchestrator) -> bool:

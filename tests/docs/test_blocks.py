@@ -244,11 +244,6 @@ def _weed_ports(workdir: Path) -> tuple[str, int]:
 
 
 @pytest.mark.vm
-@pytest.mark.skip(
-    reason="from fresh homes the block fails today: every create on the node that built `base` is a 500 "
-    "(issue 32 item 1: the runtime cache's memory image is 0600, QEMU runs unprivileged), and the other "
-    "node exits with AliasConflict ('base' bound by the first); run it once both are fixed"
-)
 def test_s3_two_nodes(reader: Reader, tmp_path: Path) -> None:
     """The README's two nodes on one SeaweedFS, from fresh homes (each node finds or builds `base`
     through the bucket): a sandbox on each."""
