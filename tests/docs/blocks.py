@@ -96,6 +96,25 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "deploy/image/build.sh\n",
     ): "image builds and Compose need podman: tests/deploy/test_compose.py checks the file offline",
     (
+        "README.md",
+        "from e2b import Sandbox\nfrom aenv import rollouts",
+    ): "run as pasted by tests/e2e/test_rollouts.py (test_the_readme_examples_work_pasted), on the "
+    "e2e session's node",
+    (
+        "README.md",
+        "aenv fanout base -n 2",
+    ): "run as pasted by tests/e2e/test_rollouts.py (test_the_readme_examples_work_pasted)",
+    (
+        "README.md",
+        "export AENV_FUSION_TOKEN=",
+    ): "starts `make run` on :8000 in the background: tests/fusion/test_fusion.py makes the same "
+    "`sandbox-fusion` client calls against a node started with a token",
+    (
+        "README.md",
+        "pip install 'harbor[e2b]'",
+    ): "needs Python 3.12 and Harbor from PyPI: tests/e2e/test_harbor.py runs the same `harbor run` "
+    "from a trixie tree against a node and a gateway",
+    (
         "docs/deploy.md",
         "deploy/compose/secrets.sh > deploy/k8s/secrets.env",
     ): "needs a Kubernetes cluster: tests/deploy/test_k8s.py validates the manifests offline",

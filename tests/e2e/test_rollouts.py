@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -198,7 +199,7 @@ def test_fan_out_with_the_cli(node: NodeServer, sandboxes: Sandboxes) -> None:
 def _readme_blocks(language: str) -> list[str]:
     """The README's code blocks of the "Fan-out, checkpoints and reset" section."""
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("### Fan-out, checkpoints and reset", 1)[1].split("\n## ", 1)[0]
+    section = re.split(r"\n##+ ", text.split("### Fan-out, checkpoints and reset", 1)[1], maxsplit=1)[0]
     return [block.split("```", 1)[0] for block in section.split(f"```{language}\n")[1:]]
 
 
