@@ -29,7 +29,9 @@ import os, time
 value = open('/tmp/seed').read()
 while True:
     if os.path.exists('/tmp/change'):
-        value = open('/tmp/change').read(); os.remove('/tmp/change')
+        new = open('/tmp/change').read()
+        if new:  # envd writes a file in place: an empty one may still be filling
+            value = new; os.remove('/tmp/change')
     if os.path.exists('/tmp/ask'):
         os.remove('/tmp/ask'); open('/tmp/answer.tmp', 'w').write(value)
         os.rename('/tmp/answer.tmp', '/tmp/answer')
