@@ -22,7 +22,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from aenv.agent.envd import ENVD_PORT
-from aenv.agent.envd.connect import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
+from aenv.agent.envd.framing import ENVELOPE_HEADER, FLAG_END_STREAM, envelope, envelope_header
 
 from .node import DEFAULT_TIMEOUT, BenchError, Node
 
