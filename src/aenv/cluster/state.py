@@ -257,12 +257,23 @@ return {raw, tostring(now), node_entry(ARGV[1], cjson.decode(raw).node_id, now)}
 # template's catalog name (or ''), kind, sandbox id (or ''), '1' to bind it (a create), token,
 # template as requested, excluded node ids. Chooses and reserves in one step, so no other
 # placement can spend the room in between: the best node with room (`scheduler` explains the
-# order), or {} when none has.
+# order), or {} when none has. A create placed already under the same name and token whose node
+# has not bound it yet is a retry (a client resending after the answer was lost, perhaps to
+# another scheduler): it answers the node of the first placement and reserves nothing more.
 _PLACE = (
     _NOW
     + _NODE_ENTRY
     + """
 local prefix, memory = ARGV[1], tonumber(ARGV[2])
+if ARGV[9] ~= '' then
+  local placed = redis.call('HGET', KEYS[3], ARGV[8])
+  if placed then  -- a retry of this create's placement, whose answer was lost: the same node
+    local node, _, member = string.match(placed, '^(%S+) (%S+) (%S+)$')
+    if member == ARGV[10] .. ':' .. ARGV[2] .. ':' .. ARGV[3] then
+      return {tostring(now), node_entry(prefix, node, now)}
+    end
+  end
+end
 local excluded = {}
 for i = 12, #ARGV do excluded[ARGV[i]] = true end
 local home, durable = nil, true
