@@ -33,6 +33,7 @@ class Plan:
     cluster_create: int  # creates through the gateway, as many directly on the node
     cluster_sandboxes: int  # on the light nodes: created for the placement figure, then listed
     cluster_list: int  # walks over all pages, through the gateway and directly
+    scale_full: bool = False  # cluster-scale at the full size (`bench.scale.FULL`), not the smoke size
 
 
 MODES: dict[str, Plan] = {

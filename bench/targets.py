@@ -30,6 +30,7 @@ FIGURES = (
     "template-build",
     "storage",
     "cluster",
+    "cluster-scale",
 )
 
 
@@ -108,4 +109,7 @@ TARGETS: dict[str, Target] = {
     "cluster-list": _ratio("median", "<=", 2.0),
     # floor: the same creates straight to one node, as many in flight
     "cluster-placement": _ratio("median", ">=", 0.5),
+    # issue 37: placements through 4 gateways, and what Redis holds per sandbox
+    "cluster-scale-placement": Target("median", ">=", 2000, "/s"),
+    "cluster-scale-redis-sandbox": Target("value", "<=", 2048, "B"),
 }
