@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ResponseError
 
 from ..config import Settings
@@ -84,6 +84,11 @@ RESERVATION_TTL = 60.0
 # placements/s, Redis being single-threaded), against ~0.3 ms whatever the count with a sample.
 # With this many nodes or fewer, every node is weighed, as before.
 PLACE_SAMPLE = 16
+# redis-py's pool refuses a command once 100 are in flight ("Too many connections": a scheduler
+# serving 1,000 nodes' heartbeats and 64 creates at once hit it); a blocking pool makes it wait
+# instead. Redis runs one command at a time, so more connections would add no throughput.
+REDIS_CONNECTIONS = 64
+REDIS_WAIT = 5.0
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
 
@@ -410,7 +415,12 @@ class ClusterState:
 
     @classmethod
     def from_url(cls, url: str, *, down_after: float, **options: float) -> ClusterState:
-        return cls(Redis.from_url(url, decode_responses=True), down_after=down_after, **options)
+        """Over at most `REDIS_CONNECTIONS` connections; a command waits for a free one (up to
+        `REDIS_WAIT` s, then ConnectionError: Unavailable)."""
+        pool = BlockingConnectionPool.from_url(
+            url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT
+        )
+        return cls(Redis(connection_pool=pool), down_after=down_after, **options)
 
     async def close(self) -> None:
         await self.redis.aclose()
