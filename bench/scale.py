@@ -79,6 +79,8 @@ IDLE = 10.0  # seconds the heartbeat load is counted over
 LIST_BUDGET = 60.0  # seconds the paged list may take
 PAGE = 100
 JOIN_TIMEOUT = 600.0
+RETRIES = 5  # a create answered 503 is retried this often, RETRY_PAUSE s apart
+RETRY_PAUSE = 0.5
 
 
 @dataclass
@@ -140,16 +142,28 @@ def _join(stack: contextlib.ExitStack, cluster: ScaleCluster, workdir: Path, siz
         time.sleep(1.0)
 
 
-async def _place(clients: list[NodeClient], count: int) -> tuple[list[float], list[float], list[str]]:
+async def _place(
+    clients: list[NodeClient], count: int
+) -> tuple[list[float], list[float], list[str], list[str]]:
     """`count` creates over the gateways in `BATCHES` batches: placements per second of each
-    batch, each create's milliseconds, the sandbox ids."""
+    batch, each create's milliseconds (its retries included), the sandbox ids, the 503s retried."""
     rates: list[float] = []
     latencies: list[float] = []
     ids: list[str] = []
+    retried: list[str] = []
 
     async def create(client: NodeClient) -> None:
+        """One create, retried after a 503 (the scheduler overloaded) as a client would."""
         started = time.perf_counter()
-        sandbox = await client.create(LIGHT_TEMPLATE)
+        for attempt in range(RETRIES + 1):
+            try:
+                sandbox = await client.create(LIGHT_TEMPLATE)
+                break
+            except BenchError as exc:
+                if exc.status != 503 or attempt == RETRIES:
+                    raise
+                retried.append(str(exc))
+                await asyncio.sleep(RETRY_PAUSE)
         latencies.append(ms_since(started))
         ids.append(sandbox["sandboxID"])
 
@@ -162,7 +176,7 @@ async def _place(clients: list[NodeClient], count: int) -> tuple[list[float], li
         if failed := [r for r in results if isinstance(r, BaseException)]:
             raise BenchError(f"{len(failed)} of {size} creates failed: {failed[0]}")
         rates.append(size / elapsed)
-    return rates, latencies, ids
+    return rates, latencies, ids, retried
 
 
 async def _timed(calls: list[Any]) -> list[float]:
@@ -247,7 +261,7 @@ async def measure(workdir: Path, size: Size) -> list[Row]:
         joined = cluster.info("memory")["used_memory"]
         clients = [NodeClient(Node(g.url, key), max_connections=CONCURRENCY) for g in cluster.gateways]
         try:
-            rates, creates, ids = await _place(clients, size.sandboxes)
+            rates, creates, ids, retried = await _place(clients, size.sandboxes)
             await asyncio.sleep(HEARTBEAT * 2)  # the heartbeats count them: no pending room left
             filled = cluster.info("memory")["used_memory"]
             heartbeat_load = _commands_per_second(cluster)
@@ -261,11 +275,13 @@ async def measure(workdir: Path, size: Size) -> list[Row]:
         downs, takeover = _death(cluster)
     memory = ((joined - empty) / size.nodes, (filled - joined) / size.sandboxes)
     latencies = (creates, connects, kills)
-    return _rows(size, rates, latencies, pages, complete, heartbeat_load, memory, downs, takeover)
+    return _rows(
+        size, (rates, len(retried)), latencies, pages, complete, heartbeat_load, memory, downs, takeover
+    )
 
 
 def _rows(
-    size: Size, rates: list[float], latencies: tuple[list[float], list[float], list[float]],
+    size: Size, placed: tuple[list[float], int], latencies: tuple[list[float], list[float], list[float]],
     pages: list[float], complete: bool, heartbeat_load: float, memory: tuple[float, float],
     downs: list[float], takeover: float,
 ) -> list[Row]:  # fmt: skip
@@ -274,6 +290,7 @@ def _rows(
         f"sandboxes, {size.gateways} gateways, {size.schedulers} schedulers, one Redis"
     )
     per_node, per_sandbox = memory
+    rates, retried = placed
     creates, connects, kills = latencies
     walk = len(pages) if complete else -(-size.sandboxes // PAGE)
     list_note = f"{len(pages)} pages of {PAGE} through one gateway" + (
@@ -284,7 +301,8 @@ def _rows(
     quiet = f"over {IDLE:g} s with no client: heartbeats, binds and reconciliation of {size.nodes} nodes"
     down = summarize(f"a dead node's time to down (down_after {DOWN_AFTER:g} s)", [d * 1000 for d in downs])
     return [
-        Row("cluster-scale-placement", placement, note=f"{shape}; {CONCURRENCY} in flight per gateway"),
+        Row("cluster-scale-placement", placement,
+            note=f"{shape}; {CONCURRENCY} in flight per gateway; {retried} creates answered 503 and retried"),
         Row("cluster-scale-create", summarize("create through a gateway, under that load", creates)),
         Row("cluster-scale-connect", summarize("connect through a gateway (one at a time)", connects)),
         Row("cluster-scale-kill", summarize("kill through a gateway (one at a time)", kills)),
