@@ -227,7 +227,8 @@ async def test_a_scheduler_killed_mid_burst_loses_no_acknowledged_create(tmp_pat
 async def test_redis_restarted_on_its_append_only_file_mid_burst_loses_nothing(tmp_path: Path) -> None:
     """appendfsync everysec: Redis writes each command to the file (the kernel's page cache) before
     it answers, so a crash of the process loses no acknowledged write; only the host's crash could
-    lose the last second (see README, Cluster)."""
+    lose the last second (README: Failover, Redis and measured limits). `always` would fsync each
+    write, which only a host crash needs."""
     with cluster(tmp_path, aof="everysec") as running:
 
         def restart() -> None:
