@@ -66,6 +66,9 @@ def main() -> int:
         "--memory-merge", action="store_true",
         help="the node merges equal pages across its QEMUs (AENV_MEMORY_MERGE), with KSM on for the run",
     )  # fmt: skip
+    parser.add_argument(
+        "--scale-full", action="store_true", help="cluster-scale at 1,000 nodes and 100,000 sandboxes"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -77,6 +80,7 @@ def main() -> int:
         seed=args.seed,
         soak_cycles=args.soak_cycles,
         memory_merge=args.memory_merge,
+        scale_full=args.scale_full,
     )
     try:
         return run(options)

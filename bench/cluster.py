@@ -23,12 +23,9 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import secrets
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -43,14 +40,14 @@ from aenv.devcluster import (
     gateway,
     redis_server,
     scheduler_process,
-    stop,
-    wait_healthy,
 )
-from aenv.devnode import DevNode, free_port
+from aenv.devnode import DevNode
 
 from .client import NodeClient
 from .context import SETTLE, Context, bounded
-from .node import DEFAULT_TIMEOUT, REPO, BenchError, Node
+from .fakenode import LIGHT_TEMPLATE
+from .lightnode import light_nodes
+from .node import DEFAULT_TIMEOUT, BenchError, Node
 from .report import Row
 from .stats import ms_since, summarize
 
@@ -62,7 +59,6 @@ CONCURRENCY = 16  # creates in flight in the placement figure
 BATCHES = 10  # placement samples: the sandboxes are created in this many batches
 PAGE = 100  # the list figure's page size (E2B's largest)
 JOIN_TIMEOUT = 60.0
-LIGHT_TEMPLATE = "base1"  # the light nodes' one template (`bench.lightnode`)
 
 
 async def cluster(ctx: Context) -> list[Row]:
@@ -163,42 +159,14 @@ async def _refilled(node: Node, template_id: str) -> None:
 # -- list and placement over light nodes -------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _light_node(workdir: Path, name: str, key: str, secret: str, scheduler: str | None) -> Iterator[str]:
-    """`bench.lightnode` as a process until the block ends; its URL."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "src")])}
-    log = workdir / f"{name}.log"
-    args = [
-        sys.executable,
-        "-m",
-        "bench.lightnode",
-        name,
-        str(port),
-        key,
-        secret,
-        *([scheduler] if scheduler else []),
-    ]
-    with log.open("ab") as sink:
-        process = subprocess.Popen(
-            args, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, log, f"light node {name}")
-        yield url
-    finally:
-        stop(process)
-
-
 async def _light_rows(ctx: Context, redis: RedisServer, workdir: Path) -> list[Row]:
     count = ctx.plan.cluster_sandboxes
     with contextlib.ExitStack() as stack:
         scheduler_url, front, secret = stack.enter_context(_control_plane(redis, workdir, "light"))
         node_key = "e2b_" + secrets.token_hex(20)
-        for i in range(LIGHT_NODES):
-            stack.enter_context(_light_node(workdir, f"light{i}", node_key, secret, scheduler_url))
-        floor_url = stack.enter_context(_light_node(workdir, "floor", node_key, secret, None))
+        log = workdir / "light.log"
+        stack.enter_context(light_nodes(log, node_key, secret, scheduler=scheduler_url, count=LIGHT_NODES))
+        floor_url = stack.enter_context(light_nodes(log, node_key, secret, prefix="floor")).urls["floor"]
         scheduler = SchedulerClient(scheduler_url, secret)
         through = NodeClient(Node(front.url, front.key), max_connections=CONCURRENCY)
         floor = NodeClient(

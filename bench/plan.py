@@ -38,6 +38,7 @@ class Plan:
     rollout_rounds: int  # rollouts each concurrent worker runs, one after the other
     rollout_fan_out: int  # sandboxes of the fan-out figure
     rollout_resets: int  # samples of reset, parked resume, and reuse against create-and-kill
+    scale_full: bool = False  # cluster-scale at the full size (`bench.scale.FULL`), not the smoke size
 
 
 MODES: dict[str, Plan] = {

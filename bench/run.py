@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import cluster, dataplane, density, figures, fusion, loaded, rollouts, soak, storage, templates
+from . import cluster, dataplane, density, figures, fusion, loaded, rollouts, scale, soak, storage, templates
 from .client import NodeClient
 from .context import Context
 from .floors import FloorLab
@@ -51,6 +51,7 @@ MEASURES: dict[str, Measure] = {
     "cluster": cluster.cluster,
     "fusion": fusion.fusion,
     "rollout": rollouts.rollouts,
+    "cluster-scale": scale.cluster_scale,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
 _BASE_FLOORED = {"create", "pause", "resume", "resume-released", "snapshot"}
@@ -66,10 +67,11 @@ class Options:
     seed: Path | None = None  # a node home whose `base` template the harness's node starts with
     soak_cycles: int | None = None  # instead of the mode's
     memory_merge: bool = False  # the harness's node merges equal pages, with KSM on for the run
+    scale_full: bool = False  # cluster-scale at its full size
 
     @property
     def plan(self) -> Plan:
-        plan = MODES[self.mode]
+        plan = replace(MODES[self.mode], scale_full=self.scale_full)
         return plan if self.soak_cycles is None else replace(plan, soak=self.soak_cycles)
 
     @property

@@ -32,6 +32,7 @@ FIGURES = (
     "cluster",
     "fusion",
     "rollout",
+    "cluster-scale",
 )
 
 
@@ -121,4 +122,7 @@ TARGETS: dict[str, Target] = {
     "rollout-fanout": _ratio("median", "<=", 1.2),
     "rollout-reset": _ratio("median", "<=", 1.0),
     "rollout-reuse": _ratio("median", "<=", 1.0),
+    # issue 37: placements through 4 gateways, and what Redis holds per sandbox
+    "cluster-scale-placement": Target("median", ">=", 2000, "/s"),
+    "cluster-scale-redis-sandbox": Target("value", "<=", 2048, "B"),
 }

@@ -68,10 +68,52 @@ def log_tail(log: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-@dataclass(frozen=True)
+@dataclass
 class RedisServer:
-    url: str
-    pid: int
+    """Debian's `redis-server` on a loopback port, its files in `workdir`; with `aof` ("always" or
+    "everysec", the `appendfsync` policy) its writes go to an append-only file, which a restart
+    reads back. Restartable on the same port after a crash."""
+
+    workdir: Path
+    port: int
+    aof: str | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self) -> None:
+        """Start (again), and wait until it answers PING (with its append-only file read back)."""
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not os.access(binary, os.X_OK):
+            raise RuntimeError("redis-server is missing: apt-get install redis-server")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        aof = ["--appendonly", "yes", "--appendfsync", self.aof] if self.aof else ["--appendonly", "no"]
+        # Ended with the process that started it, even one killed before its cleanup ran.
+        args = [
+            "setpriv", "--pdeathsig", "TERM", "--",
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+            "--save", "", *aof, "--daemonize", "no", "--logfile", str(self.workdir / "redis.log"),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        _wait_redis(self.url, self.process, self.workdir / "redis.log")
+
+    def sigkill(self) -> None:
+        """Crash it: whatever it had not written to its append-only file is lost."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
 
     def flush(self) -> None:
         """Empty the database, as a Redis that lost its data would be."""
@@ -80,40 +122,26 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[RedisServer]:
-    """Debian's `redis-server` until the block ends, without persistence; waits until it answers PING."""
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    if not os.access(binary, os.X_OK):
-        raise RuntimeError("redis-server is missing: apt-get install redis-server")
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    # Ended with the process that started it, even one killed before its cleanup ran.
-    args = [
-        "setpriv", "--pdeathsig", "TERM", "--",
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-        "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(workdir / "redis.log"),
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    server = RedisServer(f"redis://127.0.0.1:{port}/0", process.pid)
+def redis_server(workdir: Path, aof: str | None = None) -> Iterator[RedisServer]:
+    """A `RedisServer` on a free port until the block ends (without persistence unless `aof`)."""
+    server = RedisServer(workdir, free_port(), aof)
     try:
-        _wait_redis(server, process, workdir / "redis.log")
+        server.start()
         yield server
     finally:
-        stop(process)
+        server.stop()
 
 
-def _wait_redis(server: RedisServer, process: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_redis(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
-    with redis.Redis.from_url(server.url, socket_connect_timeout=1) as client:
+    with redis.Redis.from_url(url, socket_connect_timeout=1) as client:
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"redis-server exited: {log_tail(log)}")
             try:
                 if client.ping():
                     return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.BusyLoadingError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
@@ -209,7 +237,8 @@ def scheduler(
 
 
 def gateway(scheduler_url: str, log_path: Path, secret: str, key: str) -> ClusterProcess:
-    """`aenv gateway` on a free port in front of the scheduler (not started)."""
+    """`aenv gateway` on a free port in front of the scheduler, or schedulers (comma-separated;
+    not started)."""
     port = free_port()
     env = _settings(
         gateway_addr=f"127.0.0.1:{port}", api_key=key, cluster_secret=secret, scheduler_url=scheduler_url

@@ -170,3 +170,19 @@ async def test_the_cluster_figures_over_light_nodes(tmp_path: Path) -> None:
     assert [r.key for r in rows] == ["cluster-placement", "cluster-list"]
     assert all(r.floor and r.ratio for r in rows)
     assert "bound on 3" in rows[0].note  # the placements spread over the three nodes
+
+
+async def test_the_cluster_scale_figures_at_a_tiny_size() -> None:
+    """Every cluster-scale figure on two processes of light nodes (one of them killed for the
+    down and take-over figures), two gateways and two schedulers (no VMs)."""
+    from bench import scale
+
+    rows = await scale._run(scale.Size(nodes=scale.PER_PROCESS + 2, sandboxes=300, gateways=2))
+    assert [r.key for r in rows] == [
+        "cluster-scale-placement", "cluster-scale-create", "cluster-scale-connect", "cluster-scale-kill",
+        "cluster-scale-list", "cluster-scale-heartbeat", "cluster-scale-redis-node",
+        "cluster-scale-redis-sandbox", "cluster-scale-down", "cluster-scale-takeover",
+    ]  # fmt: skip
+    assert rows[1].figure.count == 300 and rows[4].note.startswith("3 pages of 100")
+    assert rows[8].figure.count == 2  # the killed process's nodes, each down
+    assert rows[7].figure.median > 0 and rows[9].figure.median > 0

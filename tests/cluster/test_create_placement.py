@@ -59,6 +59,27 @@ async def test_a_create_placement_binds_and_the_node_bind_spends_its_own_reserva
 
 
 @on_session_loop
+async def test_a_retried_create_placement_answers_its_first_node_and_reserves_once(redis_url: str) -> None:
+    """A gateway resends a placement whose answer it lost (its scheduler died after Redis ran the
+    script) to another scheduler: the same node, one reservation, until the node binds it."""
+    state = ClusterState.from_url(redis_url, down_after=10.0)
+    scheduler = ClusterScheduler(state)
+    try:
+        for name in ("a", "b"):
+            await scheduler.register(node(name, memory_mib=4 * GIB))
+        first = await scheduler.place(Placement(sandbox_id="s1", memory_mib=1024))
+        again = await scheduler.place(Placement(sandbox_id="s1", memory_mib=1024))
+        assert again.node_id == first.node_id
+        rooms = {r.node.node_id: (r.memory_mib, r.starting) for r in await state.rooms()}
+        assert rooms[first.node_id] == (3 * GIB, 1)
+        await scheduler.bind(Binding(sandbox_id="s1", node_id=first.node_id))
+        with pytest.raises(Conflict, match="s1 is bound already"):  # bound now: no retry of a placement
+            await scheduler.place(Placement(sandbox_id="s1", memory_mib=1024))
+    finally:
+        await state.close()
+
+
+@on_session_loop
 async def test_unbinding_a_failed_create_frees_its_room(redis_url: str) -> None:
     state = ClusterState.from_url(redis_url, down_after=10.0)
     scheduler = ClusterScheduler(state)

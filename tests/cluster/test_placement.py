@@ -12,7 +12,7 @@ import pytest
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 from aenv.cluster.protocols import SandboxKilled
 from aenv.cluster.scheduler import ClusterScheduler
-from aenv.cluster.state import ClusterState
+from aenv.cluster.state import PLACE_SAMPLE, ClusterState
 from aenv.orchestrator.errors import Conflict, InvalidRequest, NotFound, Unavailable
 
 # The state fixture lives on the session's loop (the project's default fixture loop scope).
@@ -56,6 +56,22 @@ async def test_twelve_placements_spread_over_three_nodes(scheduler: ClusterSched
     for name in ("a", "b", "c"):
         await scheduler.register(node(name))
     assert await place_many(scheduler, 12, template="base") == {"a": 4, "b": 4, "c": 4}
+
+
+async def test_many_nodes_placement_samples_them_and_still_finds_the_one_with_room(
+    scheduler: ClusterScheduler,
+) -> None:
+    """Beyond `PLACE_SAMPLE` nodes a placement weighs a sample, and every node only when none of
+    the sample has room: the one node of 60 with room is found each time, until it is full."""
+    assert PLACE_SAMPLE < 60
+    for i in range(59):
+        await scheduler.register(node(f"full{i:02d}", memory_mib=GIB, used_mib=GIB))
+    await scheduler.register(node("roomy", memory_mib=2 * GIB))
+    assert await place_many(scheduler, 4, template="base") == {"roomy": 4}
+    with pytest.raises(Unavailable, match="no node has room"):
+        await scheduler.place(Placement())
+    await scheduler.register(node("empty", memory_mib=GIB))
+    assert await place_many(scheduler, 2) == {"empty": 2}
 
 
 async def test_a_node_full_of_memory_gets_none(scheduler: ClusterScheduler) -> None:

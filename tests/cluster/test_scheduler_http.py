@@ -137,6 +137,25 @@ async def test_unreachable_scheduler_or_redis_is_unavailable() -> None:
         await server.close()
 
 
+async def test_a_client_of_several_schedulers_goes_on_with_one_that_answers(server: TestServer) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    live = str(server.make_url("")).rstrip("/")
+    client = SchedulerClient(f"{dead}, {live}/", SECRET)
+    try:
+        assert client.urls == [dead, live]
+        await client.register(node("a"))
+        assert client.url == live  # later calls start with the one that answered
+        assert [n.node_id for n in await client.nodes()] == ["a"]
+    finally:
+        await client.close()
+    nobody = SchedulerClient(f"{dead},http://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(Unavailable, match=r"unreachable.*; .*unreachable"):
+            await nobody.nodes()
+    finally:
+        await nobody.close()
+
+
 async def test_metrics_count_placements_binds_and_nodes(client: SchedulerClient, server: TestServer) -> None:
     """`/metrics` (public, as a node's) has placements by kind and result with their latency,
     refused binds, nodes by state and every request by route template."""

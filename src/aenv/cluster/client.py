@@ -4,6 +4,14 @@ Gateways and nodes hold one each. Error answers come back as the typed errors of
 `aenv.orchestrator.errors` (the inverse of the API's status table), a scheduler that cannot be
 reached, or that refuses the cluster secret, is `Unavailable`: callers retry later, or elsewhere.
 
+`AENV_SCHEDULER_URL` may name several schedulers of one cluster (comma-separated): a call that
+cannot reach one (refused, reset, timed out) goes to the next, and later calls start with the one
+that answered. Resending a call whose answer was lost is safe: every route is idempotent on the
+shared state (a register or heartbeat again, a bind of the same binding, an unbind of an unbound
+sandbox), and a create's placement names its sandbox, so the placement script recognises a
+retry of one it made already and answers the same node (`state._PLACE`). The one exception is
+a tombstone whose answer was lost: its retry answers NotFound (the sandbox is unbound already).
+
 Every create through a gateway makes a call here, so the client is aiohttp's: its keep-alive
 connections are shared by all calls, and a call costs a fraction of what httpx's does (profiled:
 about 0.2 against 0.9 ms of client CPU per call on a 2-core host).
@@ -40,13 +48,19 @@ def _id(value: str) -> str:
     return quote(value, safe="")
 
 
+def scheduler_urls(value: str) -> list[str]:
+    """The scheduler URLs of a comma-separated `AENV_SCHEDULER_URL`, without trailing slashes."""
+    return [url.strip().rstrip("/") for url in value.split(",") if url.strip()]
+
+
 class SchedulerClient:
-    """The scheduler at `url` (e.g. http://10.0.0.2:9090), with the cluster secret if one is set.
+    """The schedulers at `url` (e.g. http://10.0.0.2:9090, or several comma-separated), with the
+    cluster secret if one is set.
 
     Its connections are opened on the event loop of its first call, and closed by `close`."""
 
     def __init__(self, url: str, secret: str | None = None, *, timeout: aiohttp.ClientTimeout = TIMEOUT):
-        self.url = url.rstrip("/")
+        self.urls = scheduler_urls(url) or [url]
         self.headers = {"User-Agent": f"aenv/{__version__}"}
         if secret:
             self.headers[CLUSTER_SECRET_HEADER] = secret
@@ -58,24 +72,37 @@ class SchedulerClient:
             await self._session.close()
             self._session = None
 
+    @property
+    def url(self) -> str:
+        """The scheduler calls go to first: the last one that answered."""
+        return self.urls[0]
+
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self.headers, timeout=self.timeout)
         return self._session
 
     async def _request(self, method: str, path: str, body: BaseModel | None = None, **params: str) -> bytes:
-        """The answer's body; raises the typed error of an error answer."""
+        """The answer's body, from the first scheduler that answers; raises the typed error of an
+        error answer, Unavailable when none answers."""
         data = body.model_dump_json() if body is not None else None
-        try:
-            async with self._http().request(
-                method, self.url + path, data=data, params=params, headers=_JSON if data else None
-            ) as response:
-                content = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise Unavailable(f"the scheduler at {self.url} is unreachable: {exc!r}") from exc
-        if response.status >= 400:
-            raise _error(response.status, content, response.reason or "")
-        return content
+        failures = []
+        for url in list(self.urls):
+            try:
+                async with self._http().request(
+                    method, url + path, data=data, params=params, headers=_JSON if data else None
+                ) as response:
+                    content = await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                failures.append(f"the scheduler at {url} is unreachable: {exc!r}")
+                continue
+            if url != self.urls[0]:  # this one answers: later calls start here
+                self.urls.remove(url)
+                self.urls.insert(0, url)
+            if response.status >= 400:
+                raise _error(response.status, content, response.reason or "")
+            return content
+        raise Unavailable("; ".join(failures))
 
     async def _model(self, model: type[M], method: str, path: str, body: BaseModel | None = None) -> M:
         return _decode(model.model_validate_json, await self._request(method, path, body), self.url + path)

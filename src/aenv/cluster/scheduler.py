@@ -33,8 +33,10 @@ its usage, reservations and sandboxes started since its last heartbeat; memory i
 as in the node's own admission), preferring nodes that cache the template, then the fewest
 running sandboxes, then the most free memory and vCPUs. A resume prefers the node holding the
 sandbox while that node is up; a durable pause (in the shared repository) may resume on any
-node with room, a node-local one only on its node (draining included). The choice and the
-reservation of the room are one Redis script (`state._PLACE`): one round trip, and no other
+node with room, a node-local one only on its node (draining included). The nodes weighed are a
+sample (`state.PLACE_SAMPLE`): the home, some caching the template, some at random; all of
+them only when none of those has room, so a placement costs the same at 1,000 nodes as at 50.
+The choice and the reservation of the room are one Redis script (`state._PLACE`): one round trip, and no other
 scheduler can spend the room in between. A create that names its sandbox
 (`Placement.sandbox_id`: the gateway chose the id) is bound to the chosen node in that same
 step, so it needs no second call; a create that fails is unbound, which frees its room. A fork

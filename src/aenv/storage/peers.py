@@ -103,7 +103,8 @@ class SchedulerPeers:
     """
 
     def __init__(self, scheduler_url: str, node_id: str, secret: str | None, ttl: float = PEERS_TTL):
-        self.url = scheduler_url.rstrip("/") + "/nodes"
+        # The first of several schedulers (AENV_SCHEDULER_URL may list them): any one lists the nodes.
+        self.url = scheduler_url.split(",")[0].strip().rstrip("/") + "/nodes"
         self.node_id = node_id
         self.headers = _headers(secret)
         self.ttl = ttl
