@@ -247,7 +247,9 @@ async def test_a_gateway_killed_mid_burst_costs_its_clients_a_retry(tmp_path: Pa
         await burst.run(BURST, running.gateways[0].sigkill, after=NODES * ROOM // 4)
         assert burst.outcomes["gateway unreachable"] > 0, burst.outcomes
         assert_exactly_once(running, burst.acknowledged)
-        assert len(burst.acknowledged) == NODES * ROOM, burst.outcomes  # every room filled
+        # Every room is filled but those of the creates the dead gateway had under way (at most
+        # CONCURRENCY): placed and not yet sent, their room stays reserved until its expiry.
+        assert NODES * ROOM - CONCURRENCY <= len(burst.acknowledged) <= NODES * ROOM, burst.outcomes
 
 
 async def test_a_redis_that_lost_its_data_is_refilled_by_the_nodes(tmp_path: Path) -> None:
