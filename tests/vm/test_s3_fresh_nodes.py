@@ -179,7 +179,8 @@ def test_a_stop_with_the_store_unanswering_is_bounded_and_keeps_the_pause(weed: 
         weed.freeze(False)
     assert "pauses not committed by the stop deadline" in node_a.log_tail(200)
     assert not [pid for pid in qemus if Path(f"/proc/{pid}").exists()]
-    assert fuse_server(node_a.home) is None and not fuse_mounted(node_a.home)
+    # the FUSE server sees its node end (a pidfd) and unmounts by itself, a moment later
+    wait_for(lambda: fuse_server(node_a.home) is None and not fuse_mounted(node_a.home), timeout=30)
     print(f"\nstop with the store not answering (stop_timeout 10 s): {stopped:.1f} s")
 
     node_a.start()  # the store is back: the pause kept on disk is committed, and resumes

@@ -39,7 +39,7 @@ BODIES: dict[str, type[BaseModel]] = {
     "fan_out": schemas.FanOut,
     "create_checkpoint": schemas.CheckpointRequest,
     "reset": schemas.ResetRequest,
-    "promote_checkpoint": schemas.SnapshotRequest,
+    "promote_checkpoint": schemas.CheckpointSnapshotRequest,
 }
 REQUIRED = ("fan_out", "reset")
 SUCCESS = {
@@ -123,9 +123,7 @@ class RolloutAPI:
 
     async def promote_checkpoint(self, request: web.Request) -> web.Response:
         """Make a snapshot of a checkpoint, to start sandboxes from"""
-        body = await self.parse(request, schemas.SnapshotRequest, required=False)
-        if body.memory is False:
-            raise errors.InvalidRequest("a checkpoint's snapshot keeps its memory: memory false is not taken")
+        body = await self.parse(request, schemas.CheckpointSnapshotRequest, required=False)
         sandbox_id, checkpoint = request.match_info["sandboxID"], request.match_info["checkpointID"]
         manifest = await self.node.promote_checkpoint(
             sandbox_id, checkpoint, body.name and catalog_name(body.name)

@@ -294,6 +294,13 @@ class CheckpointRequest(Body):
     name: StrictStr | None = Field(default=None, min_length=1, max_length=64)
 
 
+class CheckpointSnapshotRequest(Body):
+    """`POST /sandboxes/{sandboxID}/checkpoints/{checkpointID}/snapshot` (aenv): a snapshot's
+    name; a checkpoint always keeps memory, so there is no `memory` to choose."""
+
+    name: SnapshotName | None = None
+
+
 class ResetRequest(Body):
     """`POST /sandboxes/{sandboxID}/reset` (aenv): the checkpoint's id or name."""
 
