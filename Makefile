@@ -7,12 +7,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test host-deps venv artifacts lint bench clean-venv
+.PHONY: run test host-deps venv artifacts setup-console lint bench clean-venv
 
-run: venv artifacts
+run: venv artifacts setup-console
 	$(PY) -m aenv.cli server
 
-test: venv artifacts
+test: venv artifacts setup-console
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -30,6 +30,13 @@ $(VENV)/.installed: pyproject.toml
 
 artifacts: venv
 	$(PY) -m aenv.guest.artifacts
+
+# The web console's browser dependencies (xterm.js), from its package-lock.json, served by the node.
+CONSOLE := src/aenv/console
+setup-console: host-deps $(CONSOLE)/node_modules/.package-lock.json
+
+$(CONSOLE)/node_modules/.package-lock.json: $(CONSOLE)/package-lock.json
+	npm ci --prefix $(CONSOLE) --no-audit --no-fund --loglevel=error
 
 # Node-level benchmark on real VMs: one table against the targets, JSON in bench/results/.
 # BENCH_MODE=quick (a few minutes), full, or smoke; BENCH_ARGS="--only create,resume --profile resume".
