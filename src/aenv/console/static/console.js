@@ -45,11 +45,11 @@ function table(columns, rows) {
 
 const filters = { state: "", template: "", metadata: "" };
 
-function sandboxActions(s) {
+function sandboxActions(s, tag = "td") {
   const id = s.sandboxID;
   const path = `/sandboxes/${id}`;
   const running = s.state === "running";
-  return h("td", { class: "actions" },
+  return h(tag, { class: "actions" },
     running ? h("button", { onclick: () => act("pause", () => api("POST", `${path}/pause`)) }, "Pause")
             : h("button", { onclick: () => act("resume", () => api("POST", `${path}/resume`, {})) }, "Resume"),
     h("button", { onclick: () => { const count = Number(prompt("Fork how many?", "1"));
@@ -93,15 +93,20 @@ function sandboxesView() {
 
 function chart(samples) {
   const w = 600, hgt = 160, last = samples.slice(-120);
-  const line = (value, color) => {
-    const el = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-    const x = (i) => (i * w) / Math.max(1, last.length - 1);
-    el.setAttribute("points", last.map((s, i) => `${x(i)},${hgt - value(s) * hgt}`).join(" "));
-    el.setAttribute("fill", "none"); el.setAttribute("stroke", color); el.setAttribute("stroke-width", "2");
+  const svgEl = (tag, attrs) => {
+    const el = document.createElementNS("http://www.w3.org/2000/svg", tag);
+    for (const [name, value] of Object.entries(attrs)) el.setAttribute(name, value);
     return el;
   };
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-  svg.setAttribute("class", "chart"); svg.setAttribute("viewBox", `0 0 ${w} ${hgt}`); svg.setAttribute("preserveAspectRatio", "none");
+  // A line over the samples, and a dot on each so the first sample shows before there is a line.
+  const line = (value, color) => {
+    const points = last.map((s, i) => [(i * w) / Math.max(1, last.length - 1), hgt - value(s) * (hgt - 8) - 4]);
+    const g = svgEl("g", {});
+    g.append(svgEl("polyline", { points: points.map((p) => p.join(",")).join(" "), fill: "none", stroke: color, "stroke-width": "2" }),
+      ...points.map(([x, y]) => svgEl("circle", { cx: x, cy: y, r: "3", fill: color })));
+    return g;
+  };
+  const svg = svgEl("svg", { class: "chart", viewBox: `0 0 ${w} ${hgt}`, preserveAspectRatio: "none" });
   svg.append(line((s) => s.cpuUsedPct / 100, "#0969da"), line((s) => s.memTotal ? s.memUsed / s.memTotal : 0, "#bf3989"));
   const now = last[last.length - 1];
   const legend = h("div", { class: "legend" },
@@ -179,7 +184,7 @@ function filesSection(id, token) {
 }
 
 function sandboxView(id) {
-  const head = h("div", { class: "filters" }), metrics = h("div"), log = h("pre", { class: "log" });
+  const head = h("div", { class: "head" }), metrics = h("div"), log = h("pre", { class: "log" });
   const termEl = h("div", { id: "terminal" }), termStatus = h("span", { class: "legend" });
   let logStart = 0, closeTerminal = null, files = null;
   main.replaceChildren(head, h("div", { class: "grid" },
@@ -190,7 +195,7 @@ function sandboxView(id) {
     const s = await api("GET", `/sandboxes/${id}`);
     head.replaceChildren(h("a", { onclick: () => show(sandboxesView) }, "← sandboxes"),
       h("strong", {}, id), h("span", { class: `state-${s.state}` }, s.state), h("span", {}, s.alias || s.templateID),
-      h("table", {}, h("tr", {}, sandboxActions(s))));
+      sandboxActions(s, "span"));
     if (!closeTerminal && s.state === "running") closeTerminal = openTerminal(termEl, id, termStatus);
     if (!files && s.state === "running") {
       const [section, open] = filesSection(id, s.envdAccessToken);
