@@ -92,7 +92,10 @@ function sandboxesView() {
 // -- one sandbox ----------------------------------------------------------------------------------
 
 function chart(samples) {
-  const w = 600, hgt = 160, last = samples.slice(-120);
+  // The last ten minutes, by sample time: now is the right edge.
+  const w = 600, hgt = 160, span = 600, now = Date.now() / 1000;
+  const last = samples.filter((s) => now - s.timestampUnix <= span);
+  const x = (s) => Math.min(w - 4, Math.max(4, w - ((now - s.timestampUnix) / span) * w));
   const svgEl = (tag, attrs) => {
     const el = document.createElementNS("http://www.w3.org/2000/svg", tag);
     for (const [name, value] of Object.entries(attrs)) el.setAttribute(name, value);
@@ -100,7 +103,7 @@ function chart(samples) {
   };
   // A line over the samples, and a dot on each so the first sample shows before there is a line.
   const line = (value, color) => {
-    const points = last.map((s, i) => [(i * w) / Math.max(1, last.length - 1), hgt - value(s) * (hgt - 8) - 4]);
+    const points = last.map((s) => [x(s), hgt - value(s) * (hgt - 8) - 4]);
     const g = svgEl("g", {});
     g.append(svgEl("polyline", { points: points.map((p) => p.join(",")).join(" "), fill: "none", stroke: color, "stroke-width": "2" }),
       ...points.map(([x, y]) => svgEl("circle", { cx: x, cy: y, r: "3", fill: color })));
@@ -108,10 +111,11 @@ function chart(samples) {
   };
   const svg = svgEl("svg", { class: "chart", viewBox: `0 0 ${w} ${hgt}`, preserveAspectRatio: "none" });
   svg.append(line((s) => s.cpuUsedPct / 100, "#0969da"), line((s) => s.memTotal ? s.memUsed / s.memTotal : 0, "#bf3989"));
-  const now = last[last.length - 1];
+  const newest = samples[samples.length - 1];
   const legend = h("div", { class: "legend" },
-    h("span", { style: "color:#0969da" }, `CPU ${now ? now.cpuUsedPct.toFixed(1) : "–"} %`),
-    h("span", { style: "color:#bf3989" }, `memory ${now ? Math.round(now.memUsed / 1048576) : "–"} / ${now ? Math.round(now.memTotal / 1048576) : "–"} MiB`));
+    h("span", { style: "color:#0969da" }, `CPU ${newest ? newest.cpuUsedPct.toFixed(1) : "–"} %`),
+    h("span", { style: "color:#bf3989" }, `memory ${newest ? Math.round(newest.memUsed / 1048576) : "–"} / ${newest ? Math.round(newest.memTotal / 1048576) : "–"} MiB`),
+    h("span", {}, "last 10 min"));
   return [svg, legend];
 }
 
