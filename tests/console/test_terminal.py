@@ -118,14 +118,18 @@ def fast_polling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(terminal, "STATE_POLL_S", 0.05)
 
 
+async def send(ws: aiohttp.ClientWebSocketResponse, kind: str, **fields: Any) -> None:
+    await ws.send_str(json.dumps({"type": kind, **fields}))
+
+
 async def test_input_output_resize_and_exit(served: tuple[FakeNode, str]) -> None:
     fake, url = served
     async with aiohttp.ClientSession() as session, session.ws_connect(url + "sbx1") as ws:
         await ws.send_str(json.dumps({"apiKey": KEY, "cols": 100, "rows": 30}))
-        await ws.send_str(json.dumps({"type": "input", "data": "echo hi\r"}))
+        await send(ws, "input", data="echo hi\r")
         assert await next_bytes(ws) == b"echo:echo hi\r"
-        await ws.send_str(json.dumps({"type": "resize", "cols": 120, "rows": 40}))
-        await ws.send_str(json.dumps({"type": "input", "data": "\x1b[200~pasted\x1b[201~"}))
+        await send(ws, "resize", cols=120, rows=40)
+        await send(ws, "input", data="\x1b[200~pasted\x1b[201~")  # a paste, as xterm.js sends it
         assert await next_bytes(ws) == b"echo:\x1b[200~pasted\x1b[201~"
         assert fake.sizes == [(100, 30), (120, 40)]
         await fake.output.put(None)  # the shell exits
@@ -137,14 +141,14 @@ async def test_reattaches_to_the_same_shell_after_a_pause(served: tuple[FakeNode
     fake, url = served
     async with aiohttp.ClientSession() as session, session.ws_connect(url + "sbx1") as ws:
         await ws.send_str(json.dumps({"apiKey": KEY, "cols": 80, "rows": 24}))
-        await ws.send_str(json.dumps({"type": "input", "data": "a"}))
-        assert await next_bytes(ws) == b"echo:a"
+        await send(ws, "input", data="a")
+        assert await next_bytes(ws) == b"echo:a"  # attached
         fake.state = "paused"
         assert "paused" in (await next_text(ws))["text"]
-        await ws.send_str(json.dumps({"type": "input", "data": "lost"}))  # dropped, not sent
+        await send(ws, "input", data="lost")  # dropped, not sent
         fake.state = "running"
         assert (await next_text(ws))["text"] == "resumed"
-        await ws.send_str(json.dumps({"type": "input", "data": "b"}))
+        await send(ws, "input", data="b")
         assert await next_bytes(ws) == b"echo:b"
     assert fake.calls == ["Start", "Connect"]
     assert b"lost" not in fake.inputs
