@@ -199,6 +199,7 @@ function sandboxView(id) {
     const s = await api("GET", `/sandboxes/${id}`);
     head.replaceChildren(h("a", { onclick: () => show(sandboxesView) }, "← sandboxes"),
       h("strong", {}, id), h("span", { class: `state-${s.state}` }, s.state), h("span", {}, s.alias || s.templateID),
+      h("span", {}, `node ${s.clientID}`),
       sandboxActions(s, "span"));
     if (!closeTerminal && s.state === "running") closeTerminal = openTerminal(termEl, id, termStatus);
     if (!files && s.state === "running") {
@@ -220,16 +221,21 @@ function sandboxView(id) {
 
 // -- nodes and templates --------------------------------------------------------------------------
 
+// A gateway's /nodes has capacity, use and cached templates; a node's own, its allocations.
+function nodeRow(n) {
+  const used = n.usage ?? { cpuCount: n.metrics?.allocatedCPU, memoryMB: Math.round((n.metrics?.allocatedMemoryBytes ?? 0) / 1048576) };
+  const of = (value, total) => (total === undefined ? `${value ?? ""}` : `${value} / ${total}`);
+  return h("tr", {},
+    h("td", {}, n.id), h("td", {}, n.status), h("td", {}, n.version), h("td", {}, n.address ?? ""),
+    h("td", {}, n.sandboxCount), h("td", {}, n.sandboxPausedCount ?? ""),
+    h("td", {}, of(used.cpuCount, n.capacity?.cpuCount)), h("td", {}, of(used.memoryMB, n.capacity?.memoryMB)),
+    h("td", {}, (n.cachedBuilds ?? []).length));
+}
+
 function nodesView() {
   const body = h("tbody");
-  main.replaceChildren(table(["Node", "Status", "Version", "Running", "Allocated vCPU", "Allocated MiB", "Creates ok / failed"], body));
-  return async () => {
-    const nodes = await api("GET", "/nodes");
-    body.replaceChildren(...nodes.map((n) => h("tr", {},
-      h("td", {}, n.id), h("td", {}, n.status), h("td", {}, n.version), h("td", {}, n.sandboxCount),
-      h("td", {}, n.metrics?.allocatedCPU ?? ""), h("td", {}, Math.round((n.metrics?.allocatedMemoryBytes ?? 0) / 1048576)),
-      h("td", {}, `${n.createSuccesses ?? ""} / ${n.createFails ?? ""}`))));
-  };
+  main.replaceChildren(table(["Node", "Status", "Version", "Address", "Running", "Paused", "vCPU used", "MiB used", "Cached templates"], body));
+  return async () => body.replaceChildren(...(await api("GET", "/nodes")).map(nodeRow));
 }
 
 function templatesView() {
