@@ -7,14 +7,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test host-deps host-deps-runtime venv venv-test artifacts lint bench clean-venv
+.PHONY: run test host-deps host-deps-runtime venv venv-test artifacts setup-console lint bench clean-venv
 
 # A node needs only the runtime parts (host packages with --runtime, the package with its `server`
-# extra); the suite adds its own (a local registry, skopeo, Node.js, the `test` extra).
-run: venv artifacts
+# extra, the console's xterm.js); the suite adds its own (a local registry, skopeo, Chromium, the
+# `test` extra).
+run: venv artifacts setup-console
 	$(PY) -m aenv.cli server
 
-test: venv-test artifacts
+test: venv-test artifacts setup-console
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -43,6 +44,13 @@ $(VENV)/.installed-test: pyproject.toml | host-deps
 
 artifacts: venv
 	$(PY) -m aenv.guest.artifacts
+
+# The web console's browser dependencies (xterm.js), from its package-lock.json, served by the node.
+CONSOLE := src/aenv/console
+setup-console: host-deps-runtime $(CONSOLE)/node_modules/.package-lock.json
+
+$(CONSOLE)/node_modules/.package-lock.json: $(CONSOLE)/package-lock.json
+	npm ci --prefix $(CONSOLE) --no-audit --no-fund --loglevel=error
 
 # Node-level benchmark on real VMs: one table against the targets, JSON in bench/results/.
 # BENCH_MODE=quick (a few minutes), full, or smoke; BENCH_ARGS="--only create,resume --profile resume".

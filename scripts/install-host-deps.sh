@@ -33,14 +33,17 @@ PACKAGES+=(diod libseccomp2)
 PACKAGES+=(redis-server)
 # On-demand loading from an s3 repository (aenv.storage.lazyfs): libfuse3 and fusermount3.
 PACKAGES+=(fuse3)
+# The web console's xterm.js is installed with npm (make setup-console); the test suite drives the
+# official e2b npm SDK too: Node.js and npm, unless already installed.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    PACKAGES+=(nodejs npm)
+fi
 if ! $runtime_only; then
     # Image tests (tests/template): a local OCI registry, skopeo to push test images, htpasswd
     # (apache2-utils) and openssl for its basic and token auth, debugfs/dumpe2fs from e2fsprogs.
     PACKAGES+=(docker-registry skopeo apache2-utils openssl)
-    # The test suite drives the official e2b npm SDK too: Node.js and npm, unless already installed.
-    if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-        PACKAGES+=(nodejs npm)
-    fi
+    # The console's browser tests (tests/e2e/test_console.py) drive Debian's headless Chromium.
+    PACKAGES+=(chromium)
 fi
 
 log() { echo "install-host-deps: $*" >&2; }

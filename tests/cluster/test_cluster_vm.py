@@ -39,6 +39,7 @@ from aenv.storage.protocols import Repository
 from aenv.storage.s3 import S3Location, S3Repository
 from bench.soak import footprint
 from tests.e2e.conftest import sandboxes, wait_until
+from tests.e2e.test_console import browser, test_console_terminal_across_pause_and_resume
 from tests.e2e.test_js_sdk import test_js_sdk_smoke
 from tests.e2e.test_sdk_async import asandboxes, test_async_files, test_async_host_list_lifecycle
 from tests.e2e.test_sdk_sync import (
@@ -57,7 +58,7 @@ pytestmark = pytest.mark.vm
 E2E_THROUGH_A_GATEWAY = (
     sandboxes, asandboxes, test_create_default, test_commands_foreground, test_files_watch_and_presigned_urls,
     test_list_filters_and_paging, test_pause_connect_keeps_processes_and_files, test_async_files,
-    test_async_host_list_lifecycle, test_js_sdk_smoke,
+    test_async_host_list_lifecycle, test_js_sdk_smoke, browser, test_console_terminal_across_pause_and_resume,
 )  # fmt: skip
 
 # Network slots of this module's three nodes: apart from every other node the suite starts.

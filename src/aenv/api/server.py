@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from .. import __version__, logs
+from .. import __version__, console, logs
 from ..agent.envd import ENVD_VERSION
 from ..cluster.auth import cluster_gate
 from ..cluster.wire import node_route
@@ -134,7 +134,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def auth_middleware(api_key: str) -> Callable[..., Any]:
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PUBLIC_PATHS or getattr(request.match_info.handler, "presigned", False):
+        handler_ = request.match_info.handler
+        if request.path in PUBLIC_PATHS or any(getattr(handler_, a, False) for a in ("presigned", "public")):
             return await handler(request)
         presented = request.headers.getall("X-API-Key", [])
         if len(presented) != 1 or not hmac.compare_digest(presented[0].encode(), api_key.encode()):
@@ -399,6 +400,7 @@ class NodeAPI:
             ("DELETE", "/templates/{templateID}", self.delete_template),
             ("GET", "/nodes", self.list_nodes),
             ("GET", "/nodes/{nodeID}", self.get_node),
+            *console.routes(),
             *templates.routes(self.node, parse),
             *rollouts.routes(self.node, parse, create_request, self.domain),
             *(volumes.routes(self.volumes, parse) if self.volumes is not None else ()),

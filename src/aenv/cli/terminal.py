@@ -60,6 +60,31 @@ def write_all(fd: int, data: bytes) -> None:
             time.sleep(0.005)
 
 
+async def start_shell(
+    envd: Envd, cols: int, rows: int, env: dict[str, str], cwd: str | None = None
+) -> tuple[int, AsyncIterator[dict[str, Any]]]:
+    """Start a login bash on a PTY (sh where there is no bash); its PID and its output stream."""
+    for program in ("/bin/bash", "/bin/sh"):
+        process: dict[str, Any] = {"cmd": program, "args": ["-i", "-l"], "envs": env}
+        if cwd:
+            process["cwd"] = cwd
+        body = {"process": process, "pty": {"size": {"cols": cols, "rows": rows}}}
+        events = envd.stream("process.Process/Start", body, as_user=True)
+        try:
+            first = await anext(events)
+        except EnvdError as exc:
+            if program == "/bin/bash" and exc.rpc_code == "invalid_argument":
+                continue
+            raise
+        except StopAsyncIteration:
+            break
+        pid = first.get("event", {}).get("start", {}).get("pid")
+        if pid is not None:
+            return int(pid), events
+        break
+    raise CLIError(f"sandbox {envd.sandbox_id} did not start a shell")
+
+
 class Session:
     """One shell session; `run` returns the shell's exit status (or LOST)."""
 
@@ -72,30 +97,9 @@ class Session:
         self.queue: asyncio.Queue[bytes | tuple[int, int]] = asyncio.Queue()
         self.active = False
 
-    def _request(self, program: str) -> dict[str, Any]:
-        cols, rows = terminal_size(self.stdin if os.isatty(self.stdin) else self.stdout)
-        process: dict[str, Any] = {"cmd": program, "args": ["-i", "-l"], "envs": shell_env()}
-        if self.cwd:
-            process["cwd"] = self.cwd
-        return {"process": process, "pty": {"size": {"cols": cols, "rows": rows}}}
-
     async def _start(self) -> tuple[int, AsyncIterator[dict[str, Any]]]:
-        """Start bash (sh where there is no bash) and wait for its PID."""
-        for program in ("/bin/bash", "/bin/sh"):
-            events = self.envd.stream("process.Process/Start", self._request(program), as_user=True)
-            try:
-                first = await anext(events)
-            except EnvdError as exc:
-                if program == "/bin/bash" and exc.rpc_code == "invalid_argument":
-                    continue
-                raise
-            except StopAsyncIteration:
-                break
-            pid = first.get("event", {}).get("start", {}).get("pid")
-            if pid is not None:
-                return int(pid), events
-            break
-        raise CLIError(f"sandbox {self.envd.sandbox_id} did not start a shell")
+        cols, rows = terminal_size(self.stdin if os.isatty(self.stdin) else self.stdout)
+        return await start_shell(self.envd, cols, rows, shell_env(), self.cwd)
 
     def _on_input(self) -> None:
         try:
