@@ -43,7 +43,7 @@ def held(node: NodeServer) -> dict[str, float]:
     counts["namespaces"] = len(node.owned_netns())
     # A failed commit's pending mark stays, saying why, until the collector's grace has passed
     # (`SnapshotRepository.gc`): a record other nodes read, with a bounded life, not a leak.
-    marks = node.home / "repository" / "pending"
+    marks = node.home / "repository" / "marks"
     counts["home_files"] -= len(list(marks.iterdir())) if marks.is_dir() else 0
     return {name: value for name, value in counts.items() if name not in PER_PROCESS}
 

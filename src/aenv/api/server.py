@@ -360,7 +360,9 @@ class NodeAPI:
         app[LIMITS_KEY] = self.limits
         self.proxy.setup(app)
         gateway = [node_route(self.node)] if cluster_secret else []
-        for method, path, handler in [*self.routes(), *gateway, *internal]:
+        # The console's page and terminal are outside the OpenAPI document, as `internal` is:
+        # they take no API key header (`aenv.console`).
+        for method, path, handler in [*self.routes(), *gateway, *internal, *console.routes()]:
             app.router.add_route(method, path, handler)
         if fusion is not None:
             fusion.mount(app, self.node, parse)
@@ -400,7 +402,6 @@ class NodeAPI:
             ("DELETE", "/templates/{templateID}", self.delete_template),
             ("GET", "/nodes", self.list_nodes),
             ("GET", "/nodes/{nodeID}", self.get_node),
-            *console.routes(),
             *templates.routes(self.node, parse),
             *rollouts.routes(self.node, parse, create_request, self.domain),
             *(volumes.routes(self.volumes, parse) if self.volumes is not None else ()),
