@@ -19,7 +19,6 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 SANDBOX_ID: ContextVar[str | None] = ContextVar("aenv_sandbox_id", default=None)

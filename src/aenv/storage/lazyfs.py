@@ -71,6 +71,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import logs
 from .chunks import ChunkFile, ChunkIndex
 from .s3 import BlobReader, S3Location
 
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("cache_root", type=Path)
     parser.add_argument("--node", type=int, required=True, help="the node process this server ends with")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=logs.TEXT_FORMAT)
     location = S3Location(**json.loads(os.environ.pop(LOCATION_ENV)))
     threading.Thread(target=watch_node, args=(args.node, args.mountpoint), daemon=True).start()
     serve(args.state, args.mountpoint, args.cache_root, BlobReader(location))
