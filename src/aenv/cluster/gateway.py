@@ -22,15 +22,9 @@ from aiohttp import web
 
 from ..api import schemas, views
 from ..api.fusion import Fusion
-from ..api.proxy import (
-    SANDBOX_NOT_FOUND,
-    TRAFFIC_TOKEN_HEADER,
-    ProxyRoute,
-    SandboxProxy,
-    UpstreamPool,
-    sandbox_error,
-)
+from ..api.proxy import SANDBOX_NOT_FOUND, TRAFFIC_TOKEN_HEADER, ProxyRoute, SandboxProxy, sandbox_error
 from ..api.server import NodeAPI
+from ..api.upstream import Upstream
 from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
 from .auth import CLUSTER_SECRET_HEADER
@@ -69,31 +63,28 @@ class GatewayProxy(SandboxProxy):
             return sandbox_error(503, route.sandbox_id, exc.message)
         target = "/proxy" + route.target if route.target.startswith("/") else route.target
         hop = replace(route, target=target, host=urlsplit(info.address).netloc)
-        return await self.relay(request, hop, self._node_pool(info))
+        return await self.relay(request, hop, _node(info))
 
-    def _node_pool(self, info: NodeInfo) -> UpstreamPool:
-        pool = self._pools.get(info.node_id)
-        if pool is None or pool.upstream != info.address:
-            if pool is not None:
-                pool.close()
-            address = urlsplit(info.address)
-            host, port = address.hostname or "127.0.0.1", address.port or 80
-
-            async def open_node(_port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-                return await asyncio.open_connection(host, port)
-
-            pool = self._pools[info.node_id] = UpstreamPool(info.address, open_node)
-        return pool
-
-    def hop_headers(self, request: web.Request, route: ProxyRoute) -> list[str]:
-        lines = [
-            f"E2b-Sandbox-Id: {route.sandbox_id}",
-            f"E2b-Sandbox-Port: {route.port}",
-            f"{CLUSTER_SECRET_HEADER}: {self.secret}",
+    def hop_headers(self, request: web.Request, route: ProxyRoute) -> list[tuple[str, str]]:
+        fields = [
+            ("E2b-Sandbox-Id", route.sandbox_id),
+            ("E2b-Sandbox-Port", str(route.port)),
+            (CLUSTER_SECRET_HEADER, self.secret),
         ]
         if (token := request.headers.get(TRAFFIC_TOKEN_HEADER)) is not None:
-            lines.append(f"{TRAFFIC_TOKEN_HEADER}: {token}")
-        return lines
+            fields.append((TRAFFIC_TOKEN_HEADER, token))
+        return fields
+
+
+def _node(info: NodeInfo) -> Upstream:
+    """The node as an upstream: its connections are shared by all of its sandboxes."""
+    address = urlsplit(info.address)
+    host, port = address.hostname or "127.0.0.1", address.port or 80
+
+    async def open_node(_port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port)
+
+    return Upstream(info.node_id, info.address, open_node)
 
 
 def node_view(info: NodeInfo) -> dict[str, Any]:
