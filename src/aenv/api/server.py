@@ -41,7 +41,7 @@ from ..orchestrator.errors import (
     SandboxError,
     Unavailable,
 )
-from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, follows
+from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, RouteService, follows
 from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
@@ -424,6 +424,8 @@ class NodeAPI:
         )
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
+        if not isinstance(self.node, RouteService):  # a gateway's: its proxy forwards to nodes instead
+            return None
         route = await self.node.route(sandbox_id, resume=resume)
         if route is None:
             return None
@@ -539,13 +541,24 @@ class NodeAPI:
         return sandbox_id
 
     async def take_over(self, request: web.Request) -> web.Response:
-        """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
+        """Resume here a sandbox durably paused on another node (`HandoverService.take_over`).
+
+        `POST /sandboxes/{sandboxID}/takeover` with an optional `{"timeout": seconds}`, on the node
+        that is to run it: 201 with the sandbox (as create's); 404 with `error_code` `pause_gone`
+        when the pause is not durable or its node claimed it back; 409 when another node took it
+        over first or the sandbox is on this node already.
+        """
         sandbox_id = self._paused_id(request)
         body = await parse(request, schemas.TakeOver, required=False)
         return self._created(await self.node.take_over(sandbox_id, body.timeout))
 
     async def discard_pause(self, request: web.Request) -> web.Response:
-        """Delete from the shared repository a killed sandbox's pause (`NodeService.discard_pause`)."""
+        """Delete from the shared repository a killed sandbox's pause (`HandoverService.discard_pause`).
+
+        `DELETE /sandboxes/{sandboxID}/pause`: 204; 404 if there is no such pause; 409 if another
+        node claimed it, if the sandbox is on this node (kill it), or, with `error_code`
+        `repository_not_shared`, on a node whose repository is its own.
+        """
         sandbox_id = self._paused_id(request)
         await self.node.discard_pause(sandbox_id)
         return web.Response(status=204)

@@ -28,7 +28,6 @@ from ..orchestrator.interface import (
     FileLink,
     ListQuery,
     NodeStatus,
-    Route,
 )
 from ..orchestrator.store import SandboxRecord
 from ..snapshot.checkpoints import Checkpoint
@@ -231,8 +230,3 @@ class RemoteNode:
 
     async def template_tags(self, reference: str) -> list[TagInfo]:
         return await self._call("template_tags", reference=reference)
-
-    async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
-        """Never local: a sandbox's network exists on its node only (the gateway's proxy forwards
-        there), so from here every sandbox is one this process cannot route to."""
-        return None

@@ -84,7 +84,7 @@ def _hidden(manifest: SnapshotManifest) -> bool:
 
 
 class LocalNode:
-    """`NodeService` for the sandboxes and catalog of this node process."""
+    """`NodeService` and `RouteService` for the sandboxes and catalog of this node process."""
 
     def __init__(
         self,
