@@ -99,6 +99,9 @@ class FakeUpstream:
         elif path == "/truncated":
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b")
             return False
+        elif path == "/unasked-101":
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n")
+            return False
         elif path == "/huge-head":
             writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (16 * HEAD_LIMIT) + b"\r\n\r\n")
             return False
@@ -206,6 +209,7 @@ async def test_broken_answers(front) -> None:
     async with httpx.AsyncClient(base_url=url) as client:
         huge = await client.get("/huge-head")
         assert huge.status_code == 502  # a head far over HEAD_LIMIT is refused, not buffered
+        assert (await client.get("/unasked-101")).status_code == 502  # no tunnel nobody asked for
         with pytest.raises(httpx.ReadError):  # a truncated body ends in a reset, never looks whole
             await client.get("/truncated")
 

@@ -367,8 +367,7 @@ class UpstreamTransport:
                 conn.send(head, h11.Data(data=body), h11.EndOfMessage())
             try:
                 response = await conn.final_response()
-                if not isinstance(response, h11.Response):
-                    raise UpstreamFailed(f"a {response.status_code} to a request that asked for no upgrade")
+                assert isinstance(response, h11.Response)  # h11 refuses a 101 to a request without Upgrade
                 return conn, response, sender
             except _BROKEN as exc:
                 pool.discard(conn)
