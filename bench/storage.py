@@ -32,11 +32,12 @@ from typing import Any
 
 from aenv.devnode import DevNode
 from aenv.paths import layers_dir, repository_dir
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.cache import BlobCache
-from aenv.storage.chunks import ChunkIndex
-from aenv.storage.layers import LayerStore
-from aenv.storage.s3 import S3Location, S3Repository
+from aenv.repository.chunks import ChunkIndex
+from aenv.repository.location import S3Location
+from aenv.repository.posix import SnapshotRepository
+from aenv.repository.s3 import S3Repository
+from aenv.runtime.cache import BlobCache
+from aenv.runtime.layers import LayerStore
 from tests.storage.seaweed import S3Server, seaweedfs
 
 from .client import NodeClient

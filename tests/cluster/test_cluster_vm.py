@@ -33,10 +33,11 @@ from aenv import devcluster, paths
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.devcluster import ClusterProcess, RedisServer
 from aenv.devnode import DevNode
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.layers import LayerStore
-from aenv.storage.protocols import Repository
-from aenv.storage.s3 import S3Location, S3Repository
+from aenv.repository.contract import Repository
+from aenv.repository.location import S3Location
+from aenv.repository.posix import SnapshotRepository
+from aenv.repository.s3 import S3Repository
+from aenv.runtime.layers import LayerStore
 from bench.soak import footprint
 from tests.e2e.conftest import sandboxes, wait_until
 from tests.e2e.test_console import browser, test_console_terminal_across_pause_and_resume

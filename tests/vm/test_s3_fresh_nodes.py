@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from aenv.devnode import DevNode
-from aenv.snapshot.manifest import new_snapshot_id
-from aenv.snapshot.repository import PendingMark
-from aenv.storage import lazyfs
+from aenv.repository.contract import PendingMark
+from aenv.repository.manifest import new_snapshot_id
+from aenv.runtime import lazyfs
 from tests.conftest import wait_for
 from tests.storage.seaweed import S3Server, SeaweedFS
 

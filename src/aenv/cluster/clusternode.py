@@ -53,8 +53,8 @@ from ..orchestrator.interface import (
 )
 from ..orchestrator.service import new_sandbox_id
 from ..orchestrator.store import SandboxRecord
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart, split_name
 from .model import Binding, NodeInfo, NodeState, Placement

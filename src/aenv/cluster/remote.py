@@ -31,8 +31,8 @@ from ..orchestrator.interface import (
     Route,
 )
 from ..orchestrator.store import SandboxRecord
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from . import wire
