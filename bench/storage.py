@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.devnode import DevNode
+from aenv.devs3 import S3Server, seaweedfs
 from aenv.paths import layers_dir, repository_dir
 from aenv.repository.chunks import ChunkIndex
 from aenv.repository.location import S3Location
@@ -38,7 +39,6 @@ from aenv.repository.posix import SnapshotRepository
 from aenv.repository.s3 import S3Repository
 from aenv.runtime.cache import BlobCache
 from aenv.runtime.layers import LayerStore
-from tests.storage.seaweed import S3Server, seaweedfs
 
 from .client import NodeClient
 from .context import Context

@@ -33,6 +33,7 @@ from aenv import devcluster, paths
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.devcluster import ClusterProcess, RedisServer
 from aenv.devnode import DevNode
+from aenv.devs3 import seaweedfs
 from aenv.repository.contract import Repository
 from aenv.repository.location import S3Location
 from aenv.repository.posix import SnapshotRepository
@@ -50,7 +51,6 @@ from tests.e2e.test_sdk_sync import (
     test_list_filters_and_paging,
     test_pause_connect_keeps_processes_and_files,
 )
-from tests.storage.seaweed import seaweedfs
 from tests.vm.test_s3_two_nodes import s3_settings
 
 pytestmark = pytest.mark.vm

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .seaweed import S3Server, seaweedfs
+from aenv.devs3 import S3Server, seaweedfs
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from aenv.devs3 import S3Server
 from aenv.repository.chunks import ChunkFile, ChunkIndex, ChunkMismatch, held_chunks, runs
 from aenv.runtime.cache import BlobCache
 from aenv.runtime.lazyfs import LazyMount, server_pid
 from tests.conftest import wait_for
-
-from .seaweed import S3Server
 
 C = 64 << 10  # a small chunk size keeps the files small
 

@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestServer
 from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.config import Settings
+from aenv.devs3 import S3Server
 from aenv.orchestrator.errors import NOT_SHARED
 from aenv.orchestrator.housekeeping import Housekeeper
 from aenv.orchestrator.local import LocalNode
@@ -32,7 +33,6 @@ from aenv.runtime.open import Storage, open_storage
 from aenv.snapshot.engine import SnapshotEngine
 from aenv.snapshot.handover import PAUSE_MARK, pause_alias
 from aenv.vmm.accel import accelerator_from_env
-from tests.storage.seaweed import S3Server
 from tests.storage.test_repository_contract import manifest_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -25,12 +25,12 @@ from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.config import Settings
+from aenv.devs3 import S3Server
 from aenv.repository.chunks import CHUNK_SIZE, ChunkIndex
 from aenv.runtime.open import Storage, open_storage
 from aenv.runtime.peers import BlobServer
 from aenv.runtime.resolvers import CachedRuntime
 
-from .seaweed import S3Server
 from .test_cached_runtime import snapshot_manifest
 
 KEY = "e2b_" + "2e" * 20
