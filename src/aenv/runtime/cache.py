@@ -1,6 +1,6 @@
 """The node's runtime cache: repository blobs materialized as local files, within a capacity.
 
-The third storage tier (see `aenv.repository.contract`): files QEMU maps and opens, fetched from
+The third storage tier (see `aenv.runtime.contract`): files QEMU maps and opens, fetched from
 a remote repository on first use. Every entry records the snapshots it was fetched for
 (`owners`); an entry is pinned while this node holds a lease on one of them (a sandbox, warm
 VM or paused sandbox uses the snapshot), and for a short while after each use (so a file handed
