@@ -3,7 +3,7 @@ on demand and fetched whole, against the same create with the cache warm; the re
 throughput; the runtime cache's hit rate under a workload larger than its capacity.
 
 The node under test keeps a posix repository, so these figures bring their own: the SeaweedFS the
-tests start (`tests.storage.seaweed`), into which the `base` template of the harness node's home
+tests start (`aenv.devs3`), into which the `base` template of the harness node's home
 is uploaded (that upload is the throughput figure), and one `aenv server` (`DevNode`, its own
 network slots) per cold sample, on a fresh home with an s3 repository, so its runtime cache starts
 empty. A cold sample is that node's first create: wall clock from ``POST /sandboxes`` to the

@@ -33,6 +33,11 @@ heartbeat (`heartbeat`, called by the node's `runtime.open.Heartbeat` thread) is
 ``lease_ttl`` is dead to the others, so its leases no longer defer deletions or protect blobs.
 A node's own leases are always live to itself (a restarted node takes its leases back), and a
 lease written before leases named their node never expires.
+
+The rules over these records (alias resolution, lease liveness, gc's selection, claims, pending
+marks) are `aenv.repository.catalog.Catalog`'s, shared with the s3 backend: this module gives
+them their primitives over files, and keeps what a directory does its own way (blobs by
+hardlink, commits and lease changes under the lock).
 """
 
 from __future__ import annotations

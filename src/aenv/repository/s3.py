@@ -32,7 +32,9 @@ primitives instead of a lock file, so that several nodes can share one bucket. K
   each candidate's LastModified again right before deleting it. A commit must therefore follow
   the storing of its blobs within the grace period (an hour by default).
 
-Staging (the builder tier) is a local directory: captures are written there and uploaded.
+Staging (the builder tier) is a local directory: captures are written there and uploaded. The
+rules over the catalog's records are `aenv.repository.catalog.Catalog`'s, shared with the posix
+backend: this module gives them their primitives over objects.
 """
 
 from __future__ import annotations
