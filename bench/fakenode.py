@@ -14,7 +14,7 @@ from aenv.orchestrator.interface import BuildTicket, CreateRequest, FileLink, Li
 from aenv.orchestrator.local import matches
 from aenv.orchestrator.states import State
 from aenv.orchestrator.store import SandboxRecord
-from aenv.snapshot.manifest import MachineShape, SnapshotManifest
+from aenv.repository.manifest import MachineShape, SnapshotManifest
 from aenv.template.steps import BuildRequest
 
 _ids = itertools.count(1)

@@ -30,6 +30,7 @@ from .api.fusion import Fusion
 from .api.runner import APIRunner
 from .api.server import NodeAPI
 from .cluster.membership import Membership
+from .cluster.peers import SchedulerPeers
 from .config import Settings, load_settings
 from .guest.artifacts import GuestArtifacts, ensure_guest_artifacts
 from .network.pool import NetworkPool
@@ -38,11 +39,11 @@ from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
+from .repository.errors import AliasConflict, SnapshotNotFound
+from .runtime.open import Storage, open_storage
+from .runtime.peers import BlobServer, Peers
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
-from .snapshot.repository import AliasConflict, SnapshotNotFound
-from .storage.open import Storage, open_storage
-from .storage.peers import BlobServer
 from .telemetry import Telemetry
 from .vmm import confine, merge, serial
 from .vmm.accel import choose_accelerator
@@ -80,6 +81,15 @@ def api_key(settings: Settings) -> str:
     return key
 
 
+def _cluster_peers(settings: Settings, node: str) -> Peers | None:
+    """In a cluster, the peers a node asks for blobs (with P2P on) are the scheduler's other nodes."""
+    return (
+        SchedulerPeers(settings.scheduler_url, node, settings.cluster_secret)
+        if settings.scheduler_url
+        else None
+    )
+
+
 def node_id(home: Path) -> str:
     path = home / "node-id"
     if not path.exists():
@@ -115,8 +125,8 @@ class Node:
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         # Storage first: its on-demand loading mounts under the home, inside the VMMs' root.
-        self.storage = open_storage(settings, node_id(home))
-        self._confine_vmms(home, artifacts)
+        self.storage = open_storage(settings, node_id(home), _cluster_peers(settings, node_id(home)))
+        self._confine_vmms(home, artifacts, self.storage.repository.local_root)
         if settings.memory_merge:
             merge.enable()
         repository = self.storage.repository
@@ -130,7 +140,7 @@ class Node:
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime, durable_pauses=self.storage.shared,
+            runtime=self.storage.runtime, durable_pauses=repository.shared,
         )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
@@ -158,7 +168,7 @@ class Node:
         self.orchestrator.on_stopped = self.api.proxy.release
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
-        # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.storage.peers.
+        # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.runtime.peers.
         blobs = BlobServer(self.storage.cache if settings.p2p else None)
         if self.storage.peers is not None:
             self.api.registry.register(self.storage.peers)
@@ -187,16 +197,12 @@ class Node:
             self.orchestrator.on_changed = self.membership.changed
             await self.membership.start()
 
-    def _confine_vmms(self, home: Path, artifacts: GuestArtifacts) -> None:
+    def _confine_vmms(self, home: Path, artifacts: GuestArtifacts, repository: Path) -> None:
         """Every QEMU from now on: unprivileged, confined, limited, in a root holding only the
         files VMs use (aenv.vmm.confine, aenv.vmm.mountview)."""
         settings = self.settings
         identities = None
         if settings.vmm_confine:
-            if settings.repository.startswith("s3://"):
-                repository = home / "staging"  # templates' memory files, before upload
-            else:
-                repository = Path(settings.repository) if settings.repository else paths.repository_dir(home)
             writable = [paths.layers_dir(home), repository]  # top layers; templates' memory files
             readable = [home / name for name in VMM_READABLE]
             for directory in (*writable, *readable):

@@ -33,10 +33,12 @@ from aenv import devcluster, paths
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.devcluster import ClusterProcess, RedisServer
 from aenv.devnode import DevNode
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.layers import LayerStore
-from aenv.storage.protocols import Repository
-from aenv.storage.s3 import S3Location, S3Repository
+from aenv.devs3 import seaweedfs
+from aenv.repository.contract import Repository
+from aenv.repository.location import S3Location
+from aenv.repository.posix import SnapshotRepository
+from aenv.repository.s3 import S3Repository
+from aenv.runtime.layers import LayerStore
 from bench.soak import footprint
 from tests.e2e.conftest import sandboxes, wait_until
 from tests.e2e.test_console import browser, test_console_terminal_across_pause_and_resume
@@ -49,7 +51,6 @@ from tests.e2e.test_sdk_sync import (
     test_list_filters_and_paging,
     test_pause_connect_keeps_processes_and_files,
 )
-from tests.storage.seaweed import seaweedfs
 from tests.vm.test_s3_two_nodes import s3_settings
 
 pytestmark = pytest.mark.vm

@@ -15,8 +15,8 @@ from aenv.cluster.model import Binding, NodeUsage, Placement
 from aenv.cluster.protocols import SandboxKilled
 from aenv.cluster.scheduler import ClusterScheduler, scheduler_app
 from aenv.cluster.state import ClusterState
+from aenv.devnode import free_port
 from aenv.orchestrator.errors import InvalidRequest, NotFound, Unavailable
-from tests.storage.seaweed import free_port
 
 from .test_placement import node
 

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from aenv.repository.errors import SnapshotNotFound
+from aenv.repository.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.host import StopDeadline
-from aenv.snapshot.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
 from aenv.snapshot.pending import DELTA, DEVICES, PENDING_MARK, PendingSnapshots, SnapshotPending
-from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 
 
 def digest(data: bytes) -> str:

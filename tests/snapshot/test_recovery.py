@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from aenv.runtime.layers import LayerStore
 from aenv.snapshot.recovery import kill_unclaimed_vms, layers_of_running_vms
-from aenv.storage.layers import LayerStore
 
 
 @pytest.fixture

@@ -25,10 +25,10 @@ from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.config import Settings
 from aenv.orchestrator.local import LocalNode
-from aenv.snapshot.manifest import RuntimeContext
-from aenv.snapshot.repository import SnapshotRepository
+from aenv.repository.manifest import RuntimeContext
+from aenv.repository.posix import SnapshotRepository
+from aenv.runtime.layers import LayerStore
 from aenv.snapshot.templates import Stage, StageFailed, StepBuild, TemplateBuilder
-from aenv.storage.layers import LayerStore
 from aenv.template.builds import TemplateBuilds
 from aenv.template.stepcache import CachedStep, StepCache
 from aenv.template.steps import BuildRequest, BuildState, Step, step_key

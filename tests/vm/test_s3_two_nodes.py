@@ -27,12 +27,12 @@ import pytest
 
 from aenv.config import Settings
 from aenv.devnode import DevNode, free_port
+from aenv.devs3 import S3Server, seaweedfs
+from aenv.repository.chunks import ChunkIndex
+from aenv.runtime.open import open_storage
 from aenv.snapshot.engine import SnapshotEngine
-from aenv.storage.chunks import ChunkIndex
-from aenv.storage.open import open_storage
 from aenv.vmm.accel import accelerator_from_env
 from tests.conftest import NodeLoop, SandboxManager, wait_for
-from tests.storage.seaweed import S3Server, seaweedfs
 
 
 @pytest.fixture(scope="module")

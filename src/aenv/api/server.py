@@ -85,7 +85,7 @@ GC_METRICS = {
     "last_run_seconds": "Duration of the last garbage collection pass",
 }
 
-# The runtime cache of an s3 repository (`aenv.storage.cache.CacheStats`); 0 with a posix one,
+# The runtime cache of an s3 repository (`aenv.runtime.cache.CacheStats`); 0 with a posix one,
 # whose files QEMU uses in place.
 CACHE_METRICS = {
     "capacity_bytes": "Configured capacity of the node's runtime cache",
@@ -348,7 +348,7 @@ class NodeAPI:
         public ones must carry the secret instead of the API key (`aenv.cluster.auth`), and the
         internal route gateways call the node through is mounted (`aenv.cluster.wire`): never
         without the secret, as it takes calls without the public API's validation. `internal`:
-        node-to-node routes mounted outside the OpenAPI document (`aenv.storage.peers`); `fusion`:
+        node-to-node routes mounted outside the OpenAPI document (`aenv.runtime.peers`); `fusion`:
         SandboxFusion's API (`aenv.api.fusion`), also outside it."""
         measured = [self.telemetry.middleware(), logs.request_context, errors]
         if cluster_secret:

@@ -9,7 +9,7 @@ from ..orchestrator.interface import NodeStatus
 from ..orchestrator.service import DISK_SIZE_MB
 from ..orchestrator.states import State, api_state
 from ..orchestrator.store import SandboxRecord
-from ..snapshot.manifest import SnapshotManifest
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.pending import PENDING_MARK
 
 CLIENT_ID = "aenv"

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from ..orchestrator.errors import NotFound
 from ..orchestrator.housekeeping import GcTotals
 from ..orchestrator.interface import NodeStatus
-from ..snapshot.manifest import SnapshotManifest
+from ..repository.manifest import SnapshotManifest
 from .fleet import NodeFleet
 
 T = TypeVar("T")

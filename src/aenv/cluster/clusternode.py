@@ -39,8 +39,8 @@ from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, Sa
 from ..orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult, ListQuery
 from ..orchestrator.service import new_sandbox_id
 from ..orchestrator.store import SandboxRecord
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
 from .builds import ClusterBuilds
 from .catalog import ClusterCatalog
 from .fleet import rendezvous

@@ -113,7 +113,7 @@ class OrchestratorSource:
         holds leases on (their files are in its cache, pinned)."""
         repository = self.orchestrator.engine.repository
         manifests = repository.list()
-        if self.settings.repository.startswith("s3://"):
+        if repository.shared:
             leased = repository.local_leases()
             manifests = [m for m in manifests if m.id in leased]
         return sorted({name for m in manifests for name in (m.id, m.alias) if name})

@@ -30,8 +30,8 @@ from ..orchestrator.interface import (
     NodeStatus,
 )
 from ..orchestrator.store import SandboxRecord
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from . import wire

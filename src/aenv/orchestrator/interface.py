@@ -21,9 +21,9 @@ from datetime import datetime
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..network.netns import SandboxNetwork
+from ..repository.manifest import SnapshotManifest
+from ..runtime.cache import CacheStats
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
-from ..storage.cache import CacheStats
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from .housekeeping import GcTotals

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
+from ..repository.errors import InvalidName, RepositoryError, SnapshotNotFound
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.handover import PAUSE_MARK
-from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.pending import PENDING_MARK
-from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from ..telemetry import Observe
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError

@@ -27,18 +27,12 @@ from ..clock import rfc3339
 from ..config import Settings
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
+from ..repository.errors import AliasConflict, InvalidName, RepositoryError, SnapshotExists, SnapshotNotFound
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint, CheckpointConflict, CheckpointNotFound, InvalidCheckpoint
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
 from ..snapshot.handover import PauseReclaimed, SandboxMoved
-from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.pending import SnapshotPending
-from ..snapshot.repository import (
-    AliasConflict,
-    InvalidName,
-    RepositoryError,
-    SnapshotExists,
-    SnapshotNotFound,
-)
 from ..vmm.envd_link import EnvdUnavailable, GuestAnswerError, SampleBatch
 from .admission import Admission, meminfo_mib
 from .errors import (

@@ -1,1 +1,1 @@
-"""Snapshots: manifests, memory layers, device state, the POSIX repository, and the engine."""
+"""Snapshots: the engine (templates, pause and resume, clones, checkpoints, warm pools, hand-over)."""

@@ -34,12 +34,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..storage.layers import new_layer_id
-from ..vmm import migration
-from . import devstate, memory
+from ..repository.manifest import utc_now
+from ..runtime.layers import new_layer_id
+from ..vmm import devstate, migration
+from . import memory
 from .clones import Clones
 from .host import Host
-from .manifest import utc_now
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -5,7 +5,7 @@ which becomes the immutable memory image; every sandbox maps that image privatel
 its own anonymous pages. Pause and snapshot save device state without RAM plus those pages (a
 delta layer); restore spawns QEMU on the image, writes the delta back, and loads the template's
 stream prefix spliced with the sandbox's device sections. Disks are qcow2 chains
-(`aenv.storage.layers`): a snapshot seals the sandbox's writable layer, so it costs no copy.
+(`aenv.runtime.layers`): a snapshot seals the sandbox's writable layer, so it costs no copy.
 
 Each concern lives in its own module and this class only wires them together and keeps the
 public surface callers use: `templates` (builds), `lifecycle` (start, resume, snapshot, fork,
@@ -24,22 +24,23 @@ from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
-from ..storage.layers import LayerStore
-from ..storage.protocols import Repository, RuntimeResolver
-from ..storage.runtime import LocalRuntime
+from ..repository.contract import Repository
+from ..repository.manifest import SnapshotManifest
+from ..repository.posix import SnapshotRepository
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore
+from ..runtime.resolvers import LocalRuntime
 from ..vmm.accel import Accelerator
 from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
 from .handover import Handover
 from .host import Host
 from .lifecycle import Lifecycle
-from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxVM
 from .parking import ParkingPolicy
 from .pausing import Pauses
 from .pending import PendingSnapshots
 from .recovery import Recovery, kill_unclaimed_vms
-from .repository import SnapshotRepository
 from .templates import TemplateBuilder
 from .warm import WarmVMs
 from .warm_pool import WarmPool

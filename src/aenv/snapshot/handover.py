@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..network.egress import EgressPolicy
+from ..repository.manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .host import Host
-from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 
 if TYPE_CHECKING:

@@ -21,19 +21,19 @@ from pathlib import Path
 
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
-from ..storage.layers import new_layer_id
-from ..vmm import migration
-from . import devstate
+from ..repository.errors import AliasConflict, SnapshotNotFound
+from ..repository.manifest import SnapshotManifest, new_snapshot_id, utc_now
+from ..repository.names import check_alias
+from ..runtime.layers import new_layer_id
+from ..vmm import devstate, migration
 from .checkpoints import Checkpoint
 from .clones import Clones
 from .handover import Handover, SandboxMoved
 from .host import Host
-from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses, write_out_files
 from .pending import CAPTURE, DELTA, DEVICES, PendingSnapshots
 from .recovery import kill_stray
-from .repository import AliasConflict, SnapshotNotFound, check_alias
 from .templates import start_runtime
 from .warm import WarmVMs
 from .warm_pool import WarmPool, WarmVM

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from ..repository.manifest import SnapshotManifest
 from ..vmm import migration
 from . import memory
 from .clones import Clones
 from .host import Host
-from .manifest import SnapshotManifest
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
 from .parking import ParkedVM, ParkingLot, ParkingPolicy
 

@@ -48,9 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..repository.errors import SnapshotNotFound
+from ..repository.files import file_digest
+from ..repository.manifest import SnapshotManifest
 from .host import Host
-from .manifest import SnapshotManifest
-from .repository import SnapshotNotFound, file_digest
 
 log = logging.getLogger(__name__)
 

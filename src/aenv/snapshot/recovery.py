@@ -19,14 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..network.netns import SandboxNetwork
-from ..storage.layers import LayerStore
+from ..repository.manifest import SnapshotManifest
+from ..runtime.layers import LayerStore
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import GuestVM
 from ..vmm.machine import VirtualMachine
 from .clones import Clones
 from .host import Host
-from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, SandboxState, SandboxVM
 from .warm import WarmRecord
 

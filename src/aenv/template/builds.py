@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from aenv.clock import rfc3339
+from aenv.repository.errors import RepositoryError, SnapshotNotFound
+from aenv.repository.manifest import RuntimeContext, SnapshotManifest
 from aenv.snapshot.engine import SnapshotEngine
-from aenv.snapshot.manifest import RuntimeContext, SnapshotManifest
-from aenv.snapshot.repository import RepositoryError, SnapshotNotFound
 from aenv.snapshot.templates import Stage, StageFailed, StepBuild
 from aenv.telemetry import Observe
 from aenv.template.disk import base_layer, base_layer_key
