@@ -31,12 +31,13 @@ from .api.runner import APIRunner
 from .api.server import NodeAPI
 from .cluster.membership import Membership
 from .config import Settings, load_settings
+from .events import EventBus, SandboxStopped
 from .guest.artifacts import GuestArtifacts, ensure_guest_artifacts
 from .network.pool import NetworkPool
 from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
 from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
-from .orchestrator.service import Orchestrator
+from .orchestrator.service import Orchestrator, pause_metadata
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
@@ -128,16 +129,19 @@ class Node:
             slots=SlotAllocator(settings.slot_first, settings.slot_count),
         )
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
+        store = SandboxStore(home / "node.db")
+        events = EventBus()
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime, durable_pauses=self.storage.shared,
+            runtime=self.storage.runtime, durable_pauses=self.storage.shared, events=events,
+            describe=pause_metadata(store), warm_size=settings.warm_pool_size,
         )  # fmt: skip
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         ids = IdRange(settings.volume_uid_base, GUEST_IDS)
         volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib)
         volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root", ids))
-        self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"), volumes)
+        self.orchestrator = Orchestrator(settings, engine, store, volumes)
         volume_store.in_use = self.orchestrator.volume_users
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
@@ -155,7 +159,8 @@ class Node:
             service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store,
             telemetry=telemetry,
         )  # fmt: skip
-        self.orchestrator.on_stopped = self.api.proxy.release
+        proxy = self.api.proxy
+        events.subscribe(SandboxStopped, lambda stopped: proxy.release(stopped.sandbox_id))
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.storage.peers.
@@ -183,8 +188,9 @@ class Node:
             time.monotonic() - started, settings.api_addr,
         )  # fmt: skip
         if settings.scheduler_url:  # in a cluster: join it once the node serves
-            self.membership = Membership.for_node(settings, self.orchestrator, node_id(home))
-            self.orchestrator.on_changed = self.membership.changed
+            self.membership = Membership.for_node(
+                settings, self.orchestrator, repository, node_id(home), events
+            )
             await self.membership.start()
 
     def _confine_vmms(self, home: Path, artifacts: GuestArtifacts) -> None:

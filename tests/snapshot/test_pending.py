@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from aenv.events import SnapshotFailed
 from aenv.snapshot.host import StopDeadline
 from aenv.snapshot.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
 from aenv.snapshot.pending import DELTA, DEVICES, PENDING_MARK, PendingSnapshots, SnapshotPending
@@ -124,7 +125,7 @@ def test_a_failed_commit_is_rolled_back_and_explained(repo: SnapshotRepository, 
     pending = pending_of(repo)
     manifest, directory = captured(repo, pending, alias="doomed")
     failed: list[SnapshotManifest] = []
-    pending.on_failed = failed.append
+    pending.events.subscribe(SnapshotFailed, lambda event: failed.append(event.manifest))
 
     def unwritable(_: SnapshotManifest) -> None:
         raise PermissionError("repository read-only")

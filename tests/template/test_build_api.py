@@ -24,6 +24,7 @@ from e2b.exceptions import BuildException, TemplateException
 from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.config import Settings
+from aenv.events import EventBus
 from aenv.orchestrator.local import LocalNode
 from aenv.snapshot.manifest import RuntimeContext
 from aenv.snapshot.repository import SnapshotRepository
@@ -69,7 +70,7 @@ async def serving(tmp_path: Path) -> AsyncIterator[tuple[str, FakeBuilder]]:
         templates=builder,
     )
     settings = Settings(home_path=tmp_path)
-    node = LocalNode(SimpleNamespace(engine=engine, settings=settings), None, "node-1")  # type: ignore[arg-type]
+    node = LocalNode(SimpleNamespace(engine=engine, settings=settings, events=EventBus()), None, "node-1")  # type: ignore[arg-type]
     api = NodeAPI(node, domain="", limits=schemas.limits(settings))
     runner = web.AppRunner(api.app(KEY))
     await runner.setup()

@@ -100,7 +100,7 @@ class LocalNode:
         settings = orchestrator.settings
         self.builds = TemplateBuilds(
             settings.home_path / "templates", self._engine, max_concurrent=settings.template_builds,
-            warm=settings.warm_pool_size, observe=observe,
+            events=orchestrator.events, observe=observe,
         )  # fmt: skip
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:

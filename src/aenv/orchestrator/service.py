@@ -15,7 +15,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from http.client import HTTPException
@@ -25,11 +25,12 @@ from .. import clock, logs
 from ..agent.envd import ENVD_VERSION
 from ..clock import rfc3339
 from ..config import Settings
+from ..events import PauseDurable, SandboxChanged, SandboxLost, SandboxStopped, SnapshotFailed
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..snapshot.checkpoints import Checkpoint, CheckpointConflict, CheckpointNotFound, InvalidCheckpoint
 from ..snapshot.engine import EngineError, GuestInit, SandboxVM, SnapshotEngine
-from ..snapshot.handover import PauseReclaimed, SandboxMoved
+from ..snapshot.handover import Describe, PauseReclaimed, SandboxMoved
 from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.pending import SnapshotPending
 from ..snapshot.repository import (
@@ -77,6 +78,17 @@ ENGINE_FAILURES = (RuntimeError, OSError, ValueError, RepositoryError)
 # A pause snapshot's metadata: the sandbox's record, for the node that takes the sandbox over.
 SANDBOX_RECORD = "aenv.sandbox-record"
 MOVED_CHECK_SECONDS = 30.0  # how often durably paused sandboxes are checked for a take-over elsewhere
+
+
+def pause_metadata(store: SandboxStore) -> Describe:
+    """What a sandbox's pause snapshot carries to the node taking it over: its record as this node
+    stored it (every settled change and the start of every operation are stored, a pause's too)."""
+
+    def describe(sandbox_id: str) -> dict[str, str]:
+        record = store.get(sandbox_id)
+        return {} if record is None else {SANDBOX_RECORD: json.dumps(asdict(record))}
+
+    return describe
 
 
 def _parse(value: str) -> datetime:
@@ -181,14 +193,11 @@ class Orchestrator:
         self._watchers: dict[int, asyncio.Task[None]] = {}  # by id() of the SandboxVM they watch
         self._evictor: asyncio.Task[None] | None = None
         self._closing = False
-        # Called with a sandbox id when its VM stops (pause, kill): the proxy drops its connections.
-        self.on_stopped: Callable[[str], None] = lambda sandbox_id: None
-        # Called with a sandbox id when its state settles or it is gone: a node in a cluster tells
-        # the scheduler where its sandboxes are (aenv.cluster.membership). Must not block.
-        self.on_changed: Callable[[str], None] = lambda sandbox_id: None
-        engine.handover.describe = self._describe
-        engine.handover.on_durable = self._durable
-        engine.pending.on_failed = self._snapshot_failed
+        # Publishes `SandboxStopped` (the proxy drops its connections), `SandboxChanged` (a node in
+        # a cluster tells the scheduler, aenv.cluster.membership) and `SandboxLost`.
+        self.events = engine.events
+        self.events.subscribe(PauseDurable, lambda durable: self._durable(durable.sandbox_id))
+        self.events.subscribe(SnapshotFailed, lambda failed: self._snapshot_failed(failed.manifest))
         self._unseals: set[asyncio.Task[None]] = set()
 
     # -- state transitions -----------------------------------------------------------------
@@ -201,7 +210,7 @@ class Orchestrator:
 
     def _persist(self, record: SandboxRecord) -> None:
         self.store.put(record)
-        self.on_changed(record.sandbox_id)
+        self.events.publish(SandboxChanged(record.sandbox_id))
 
     @contextlib.asynccontextmanager
     async def _operation(self, sandbox: Sandbox, op: Op) -> AsyncIterator[Transition]:
@@ -483,14 +492,14 @@ class Orchestrator:
     def _stopped(self, sandbox: Sandbox) -> None:
         """The sandbox's VM is gone (paused): drop its connections and its handle."""
         sandbox.samples.stopped(time.monotonic())
-        self.on_stopped(sandbox.id)
+        self.events.publish(SandboxStopped(sandbox.id))
         sandbox.vm = None
         sandbox.record.paused_at = sandbox.record.paused_at or rfc3339(clock.now())
 
     def _forget(self, sandbox: Sandbox) -> None:
         self.sandboxes.pop(sandbox.id, None)
         self.store.delete(sandbox.id)
-        self.on_changed(sandbox.id)
+        self.events.publish(SandboxChanged(sandbox.id))
 
     def _lose(self, sandbox_id: str, reason: str) -> None:
         """Remember why a sandbox is gone, so a lookup answers 404 with the reason."""
@@ -526,6 +535,7 @@ class Orchestrator:
             log.error("sandbox %s was lost: %s", sandbox.id, reason)
             self.counters["lost"] += 1
             self._lose(sandbox.id, reason)
+            self.events.publish(SandboxLost(sandbox.id, reason))
             try:
                 await self._kill_locked(sandbox)
             except ENGINE_FAILURES as exc:  # the record is gone either way; leftovers are for GC
@@ -652,7 +662,7 @@ class Orchestrator:
                     with contextlib.suppress(OSError):
                         await self.engine.kill(self.engine.load_state(sandbox.id))
             finally:
-                self.on_stopped(sandbox.id)
+                self.events.publish(SandboxStopped(sandbox.id))
                 sandbox.vm = None
                 self._forget(sandbox)
                 await self._unmount_volumes(sandbox)
@@ -706,7 +716,7 @@ class Orchestrator:
             assert sandbox.vm is not None
             with engine_errors(f"resetting sandbox {sandbox.id}"):
                 vm = await self.engine.reset(sandbox.vm, checkpoint, self._guest_init(sandbox.record))
-            self.on_stopped(sandbox.id)  # its connections went to the old VM
+            self.events.publish(SandboxStopped(sandbox.id))  # its connections went to the old VM
             await self._unmount_volumes(sandbox)
             self._attach(sandbox, vm)
             try:
@@ -744,10 +754,6 @@ class Orchestrator:
 
     # -- durable pauses: sandboxes moving between nodes (`aenv.snapshot.handover`) ----------
 
-    def _describe(self, sandbox_id: str) -> dict[str, str]:
-        sandbox = self.sandboxes.get(sandbox_id)
-        return {} if sandbox is None else {SANDBOX_RECORD: json.dumps(asdict(sandbox.record))}
-
     def _durable(self, sandbox_id: str) -> None:
         """The sandbox's pause was committed to the repository: say so from now on."""
         sandbox = self.sandboxes.get(sandbox_id)
@@ -755,7 +761,7 @@ class Orchestrator:
             sandbox.record.durable = True
             sandbox.record.generation += 1
             self.store.put(sandbox.record)
-            self.on_changed(sandbox_id)  # the scheduler may now resume it on another node
+            self.events.publish(SandboxChanged(sandbox_id))  # the scheduler may now resume it on another node
 
     async def _moved(self, sandbox: Sandbox, exc: SandboxMoved) -> NotFound:
         """Another node took the paused sandbox over: free what is left of it here (lock held)."""

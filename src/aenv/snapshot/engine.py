@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..events import EventBus
 from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
@@ -30,7 +31,7 @@ from ..storage.runtime import LocalRuntime
 from ..vmm.accel import Accelerator
 from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
-from .handover import Handover
+from .handover import Describe, Handover
 from .host import Host
 from .lifecycle import Lifecycle
 from .manifest import SnapshotManifest
@@ -53,7 +54,9 @@ class SnapshotEngine:
     `runtime` resolves snapshots to local files; by default the files of a repository on this
     host's filesystem are used in place. With `durable_pauses` (a repository other nodes share),
     every pause is also committed to the repository in the background, so another node can
-    take the paused sandbox over (`aenv.snapshot.handover`).
+    take the paused sandbox over (`aenv.snapshot.handover`), carrying what `describe` says of it.
+    Its parts publish on `events` (pauses saved and durable, snapshots failed) and the warm pools
+    follow template builds there, keeping `warm_size` VMs of each new one.
     """
 
     def __init__(
@@ -68,6 +71,9 @@ class SnapshotEngine:
         parking: ParkingPolicy | None = None,
         runtime: RuntimeResolver | None = None,
         durable_pauses: bool = False,
+        events: EventBus | None = None,
+        describe: Describe | None = None,
+        warm_size: int = 0,
     ):
         self.layers = LayerStore(home / "layers")
         self.sandboxes_dir = home / "sandboxes"
@@ -84,16 +90,16 @@ class SnapshotEngine:
         )  # fmt: skip
         self.repository, self.runtime, self.artifacts, self.accel = repository, runtime, artifacts, accel
         self.networks = networks
+        self.events = events = events or EventBus()
         self.clones = clones = Clones(self.host)
         self.templates = TemplateBuilder(self.host, artifacts)
         self.warm = WarmVMs(self.host, clones)
-        self.pool = WarmPool(self.warm)
+        self.pool = WarmPool(self.warm, events=events, size=warm_size)
         # Off unless asked for: without it, every pause ends the QEMU process at once.
-        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0))
+        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0), events)
         self.parked = self.pauses.lot
-        self.handover = Handover(self.host, durable_pauses)
-        self.pauses.on_saved = self.handover.paused
-        self.pending = PendingSnapshots(self.host, repository.pending_dir())
+        self.handover = Handover(self.host, durable_pauses, events, describe)
+        self.pending = PendingSnapshots(self.host, repository.pending_dir(), events)
         self.lifecycle = Lifecycle(
             self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
         )

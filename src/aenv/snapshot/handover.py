@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..events import EventBus, PauseDurable, PauseSaved
 from ..network.egress import EgressPolicy
 from .host import Host
 from .manifest import SnapshotManifest, new_snapshot_id, utc_now
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 
 PAUSE_MARK = "aenv.paused-sandbox"  # metadata of a pause snapshot: the id of the paused sandbox
 PAUSED_ON = "aenv.paused-on"  # metadata of a pause snapshot: the node it was paused on
+
+
+# The metadata a sandbox's pause snapshot carries to the node taking it over (its id -> them).
+Describe = Callable[[str], dict[str, str]]
 
 
 def pause_alias(sandbox_id: str) -> str:
@@ -94,13 +99,20 @@ class PauseReclaimed(EngineError):
 class Handover:
     """Commits pauses to the repository in the background and hands paused sandboxes over."""
 
-    def __init__(self, host: Host, enabled: bool):
+    def __init__(
+        self,
+        host: Host,
+        enabled: bool,
+        events: EventBus | None = None,
+        describe: Describe | None = None,
+    ):
         self.host = host
         self.enabled = enabled
-        # The sandbox's description carried by its pause snapshot (set by the node service).
-        self.describe: Callable[[str], dict[str, str]] = lambda sandbox_id: {}
-        # Told a sandbox id when its pause is committed, so the node can report it as durable.
-        self.on_durable: Callable[[str], None] = lambda sandbox_id: None
+        # The sandbox's description carried by its pause snapshot (the node's record of it).
+        self.describe: Describe = describe or (lambda sandbox_id: {})
+        # Told `PauseDurable` when a pause is committed, so the node can report it as durable.
+        self.events = events or EventBus()
+        self.events.subscribe(PauseSaved, lambda saved: self.paused(saved.state, saved.origin))
         self._uploads: dict[str, _Upload] = {}
 
     @property
@@ -173,7 +185,7 @@ class Handover:
             return
         state.durable = manifest.id
         state.save(self.host.workdir(state.sandbox_id))
-        self.on_durable(state.sandbox_id)
+        self.events.publish(PauseDurable(state.sandbox_id))
         log.info("pause of sandbox %s is durable as %s", state.sandbox_id, manifest.id)
 
     def _commit(

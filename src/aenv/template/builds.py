@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.clock import rfc3339
+from aenv.events import EventBus, TemplateBuilt
 from aenv.snapshot.engine import SnapshotEngine
 from aenv.snapshot.manifest import RuntimeContext, SnapshotManifest
 from aenv.snapshot.repository import RepositoryError, SnapshotNotFound
@@ -117,12 +118,12 @@ class TemplateBuilds:
         engine: SnapshotEngine,
         *,
         max_concurrent: int = 2,
-        warm: int = 0,
+        events: EventBus | None = None,
         observe: Observe | None = None,
     ):
         self.root = root
         self.engine = engine
-        self.warm = warm  # warm VMs kept per built template, as for the node's own (0: none)
+        self.events = events or EventBus()  # told `TemplateBuilt` (the warm pools follow)
         self._observe = observe  # each build's time, queue included (`aenv.telemetry`)
         self.records_dir = root / "records"
         self.records_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +241,7 @@ class TemplateBuilds:
                 manifest = await self._build(record, build, start)
             build.snapshot_id = manifest.id
             replaced = self._publish(record, build, build.tags)
-            await self._keep_warm(manifest.id, replaced)
+            await self.events.deliver(TemplateBuilt(manifest.id, tuple(replaced)))
             build.status = "ready"
             build.logs.append(_entry("info", f"template {record.template_id} is ready", "finalize"))
             log.info("template %s build %s ready (%s)", record.template_id, build.build_id, manifest.id)
@@ -356,15 +357,6 @@ class TemplateBuilds:
                 pruned.append(build.snapshot_id)
                 build.snapshot_id = None
         return pruned
-
-    async def _keep_warm(self, snapshot_id: str, replaced: list[str]) -> None:
-        """Creates from a new build start from warm VMs, as from `base` (the node sets the pools
-        of the templates it has at start; a build's would otherwise wait for a restart); the
-        builds it replaced keep none."""
-        pool = self.engine.pool
-        for old in replaced:
-            await pool.drain(old)
-        await pool.set_target(snapshot_id, self.warm)
 
     # -- status and tags -------------------------------------------------------------------
 
