@@ -35,9 +35,10 @@ from .events import EventBus, SandboxStopped
 from .guest.artifacts import GuestArtifacts, ensure_guest_artifacts
 from .network.pool import NetworkPool
 from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
+from .orchestrator.handover import pause_metadata
 from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
-from .orchestrator.service import Orchestrator, pause_metadata
+from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy

@@ -25,8 +25,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from ..orchestrator import errors
+from ..orchestrator.ids import catalog_name
 from ..orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult, NodeService
-from ..orchestrator.service import catalog_name
 from ..snapshot.checkpoints import Checkpoint
 from . import schemas, views
 

@@ -41,8 +41,8 @@ from ..orchestrator.errors import (
     SandboxError,
     Unavailable,
 )
+from ..orchestrator.ids import catalog_name
 from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, follows
-from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
 from ..vmm.serial import NEXT_START_HEADER

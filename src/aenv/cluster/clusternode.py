@@ -41,6 +41,7 @@ import aiohttp
 from ..orchestrator import fanout
 from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, SandboxError, Unavailable
 from ..orchestrator.housekeeping import GcTotals
+from ..orchestrator.ids import new_sandbox_id
 from ..orchestrator.interface import (
     BuildTicket,
     CreateRequest,
@@ -51,7 +52,6 @@ from ..orchestrator.interface import (
     NodeStatus,
     Route,
 )
-from ..orchestrator.service import new_sandbox_id
 from ..orchestrator.store import SandboxRecord
 from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.manifest import SnapshotManifest

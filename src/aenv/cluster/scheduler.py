@@ -66,7 +66,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..api.server import LIMITS_KEY, Handler, error_response, errors, parse
 from ..config import Settings
 from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
-from ..orchestrator.service import catalog_name
+from ..orchestrator.ids import catalog_name
 from ..telemetry import LATENCY_BUCKETS, Telemetry
 from .auth import CLUSTER_SECRET_HEADER, presents_secret
 from .model import (

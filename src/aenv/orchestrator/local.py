@@ -28,6 +28,7 @@ from ..vmm import merge
 from . import fanout
 from .errors import Conflict, Forbidden, InvalidRequest, NotFound, SandboxError
 from .housekeeping import Housekeeper
+from .ids import catalog_name
 from .interface import (
     BuildTicket,
     CreateRequest,
@@ -38,7 +39,8 @@ from .interface import (
     NodeStatus,
     Route,
 )
-from .service import Orchestrator, Sandbox, catalog_name
+from .sandboxes import Sandbox
+from .service import Orchestrator
 from .states import api_state
 from .store import SandboxRecord
 
