@@ -3,7 +3,7 @@
 `ClusterScheduler` implements the `Scheduler` protocol on the shared state in Redis
 (`aenv.cluster.state`), so any number of schedulers can serve one cluster. `scheduler_app` serves
 it as JSON on `AENV_SCHEDULER_ADDR`; bodies are the pydantic records of `aenv.cluster.model`,
-errors the API's `{"code", "message"}` with its statuses (`aenv.api.server.STATUS`), and with a
+errors the API's `{"code", "message"}` with its statuses (`aenv.api.status.STATUS`), and with a
 cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
 
     GET    /health                      200 {"status": "ok"}; 503 while Redis does not answer

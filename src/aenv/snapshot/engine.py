@@ -190,7 +190,7 @@ class SnapshotEngine:
 
     async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
         """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
-        return await self.handover.take_over(self.lifecycle, pause, init, policy)
+        return await self.handover.take_over(self.lifecycle.start, pause, init, policy)
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)

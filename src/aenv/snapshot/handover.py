@@ -32,10 +32,9 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..events import EventBus, PauseDurable, PauseSaved
 from ..network.egress import EgressPolicy
@@ -43,15 +42,14 @@ from .host import Host
 from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 
-if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
-
 log = logging.getLogger(__name__)
 
 PAUSE_MARK = "aenv.paused-sandbox"  # metadata of a pause snapshot: the id of the paused sandbox
 PAUSED_ON = "aenv.paused-on"  # metadata of a pause snapshot: the node it was paused on
 
 
+# How a sandbox starts from a snapshot here (`Lifecycle.start`): snapshot, sandbox id, init, policy.
+Start = Callable[[str, str, GuestInit, EgressPolicy], Awaitable[SandboxVM]]
 # The metadata a sandbox's pause snapshot carries to the node taking it over (its id -> them).
 Describe = Callable[[str], dict[str, str]]
 
@@ -268,7 +266,7 @@ class Handover:
         return self.host.repository.get(pause_alias(sandbox_id))
 
     async def take_over(
-        self, lifecycle: Lifecycle, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
+        self, start: Start, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
     ) -> SandboxVM:
         """Claim the pause snapshot and continue the sandbox from it here, under the same id.
 
@@ -280,7 +278,7 @@ class Handover:
             gone = PauseReclaimed if winner == pause.metadata.get(PAUSED_ON) else SandboxMoved
             raise gone(sandbox_id, winner)
         try:
-            sandbox = await lifecycle.start(pause.id, sandbox_id, init, policy)
+            sandbox = await start(pause.id, sandbox_id, init, policy)
         except BaseException:
             await asyncio.to_thread(self.host.repository.unclaim, pause.id)
             raise
