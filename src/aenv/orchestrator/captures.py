@@ -12,9 +12,9 @@ import logging
 
 from ..events import EventBus, SandboxStopped, SnapshotFailed
 from ..snapshot.checkpoints import Checkpoint, Checkpoints
-from ..snapshot.engine import SnapshotEngine
 from ..snapshot.manifest import SnapshotManifest
 from .admission import Admission
+from .backend import SandboxBackend
 from .errors import OperationFailed
 from .failures import ENGINE_FAILURES, engine_errors
 from .launch import guest_init
@@ -31,7 +31,7 @@ class Captures:
 
     def __init__(
         self,
-        engine: SnapshotEngine,
+        engine: SandboxBackend,
         checkpoints: Checkpoints,
         table: SandboxTable,
         lifecycle: Lifecycle,

@@ -15,10 +15,10 @@ import logging
 from dataclasses import asdict
 
 from ..events import EventBus, PauseDurable
-from ..snapshot.engine import SnapshotEngine
 from ..snapshot.handover import Describe, Handover, PauseReclaimed, SandboxMoved
 from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from .admission import Admission
+from .backend import SandboxBackend
 from .errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, OperationFailed
 from .launch import LaunchPlan
 from .lifecycle import Lifecycle
@@ -49,7 +49,7 @@ class PauseHandover:
 
     def __init__(
         self,
-        engine: SnapshotEngine,
+        engine: SandboxBackend,
         handover: Handover,
         table: SandboxTable,
         lifecycle: Lifecycle,

@@ -18,15 +18,16 @@ from .. import clock
 from ..clock import rfc3339
 from ..config import Settings
 from ..events import SandboxLost
-from ..snapshot.engine import SandboxVM, SnapshotEngine
 from ..snapshot.handover import SandboxMoved
 from ..snapshot.manifest import SnapshotManifest
+from ..snapshot.model import SandboxVM
 from ..snapshot.pending import PendingSnapshots, SnapshotPending
 from ..snapshot.repository import RepositoryError, SnapshotNotFound
 from ..snapshot.warm_pool import WarmPool
 from ..storage.protocols import Repository
 from ..vmm.envd_link import GuestAnswerError
 from .admission import Admission
+from .backend import SandboxBackend
 from .errors import (
     SNAPSHOT_PENDING,
     BadGuest,
@@ -64,7 +65,7 @@ class Lifecycle:
     def __init__(
         self,
         settings: Settings,
-        engine: SnapshotEngine,
+        engine: SandboxBackend,
         table: SandboxTable,
         *,
         catalog: tuple[Repository, PendingSnapshots, WarmPool],

@@ -14,9 +14,10 @@ import contextlib
 import logging
 
 from ..network.netns import SandboxNetwork
-from ..snapshot.engine import EngineError, SnapshotEngine
 from ..snapshot.handover import Handover, SandboxMoved
+from ..snapshot.model import EngineError
 from ..snapshot.parking import ParkingLot
+from .backend import SandboxBackend
 from .errors import SandboxError
 from .failures import ENGINE_FAILURES
 from .lifecycle import Lifecycle
@@ -31,7 +32,7 @@ class Recovery:
 
     def __init__(
         self,
-        engine: SnapshotEngine,
+        engine: SandboxBackend,
         handover: Handover,
         parked: ParkingLot,
         table: SandboxTable,
