@@ -106,7 +106,8 @@ class FakeEngine:
         self.handover = FakeHandover()
         self.repository = SimpleNamespace(get=self._template)
         self.pending = SimpleNamespace(get=lambda name: None, failure=lambda name: None, elsewhere=self._none)
-        self.pool = SimpleNamespace(ready=lambda snapshot_id: 0)
+        self.pool = SimpleNamespace(ready=lambda snapshot_id: 0, target=lambda snapshot_id: 0)
+        self.runtime = SimpleNamespace(cache_stats=lambda: None)
         self.checkpoints = SimpleNamespace(list=lambda sandbox_id: [])
         self.parked = SimpleNamespace(pids=set)
         self.adopted: list[str] = []

@@ -19,28 +19,22 @@ from ..clock import rfc3339
 from ..config import Settings
 from ..events import SandboxLost
 from ..snapshot.handover import SandboxMoved
-from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.model import SandboxVM
-from ..snapshot.pending import PendingSnapshots, SnapshotPending
-from ..snapshot.repository import RepositoryError, SnapshotNotFound
-from ..snapshot.warm_pool import WarmPool
-from ..storage.protocols import Repository
 from ..vmm.envd_link import GuestAnswerError
 from .admission import Admission
 from .backend import SandboxBackend
+from .catalog import Catalog
 from .errors import (
-    SNAPSHOT_PENDING,
     BadGuest,
     Conflict,
     InvalidRequest,
     NotFound,
     OperationFailed,
     SandboxError,
-    Unavailable,
 )
 from .failures import ENGINE_FAILURES, start_failure
 from .history import MetricsHistory
-from .ids import catalog_name, chosen_id
+from .ids import chosen_id
 from .interface import CreateRequest
 from .launch import LaunchPlan, check_timeout, egress_policy, guest_init
 from .mounting import VOLUMES_MARK, VolumeMounts
@@ -68,7 +62,7 @@ class Lifecycle:
         engine: SandboxBackend,
         table: SandboxTable,
         *,
-        catalog: tuple[Repository, PendingSnapshots, WarmPool],
+        catalog: Catalog,
         mounts: VolumeMounts,
         history: MetricsHistory,
         admission: Admission,
@@ -76,7 +70,7 @@ class Lifecycle:
         self.settings = settings
         self.engine = engine
         self.table = table
-        self.repository, self.pending, self.pool = catalog
+        self.catalog = catalog
         self.mounts = mounts
         self.history = history
         self.admission = admission
@@ -93,34 +87,10 @@ class Lifecycle:
         for watcher in list(self._watchers.values()):
             watcher.cancel()
 
-    # -- templates -------------------------------------------------------------------------
-
-    async def resolve_template(self, reference: str) -> SnapshotManifest:
-        """A template or snapshot by id or alias; `namespace/` prefixes and `:tag` suffixes are ignored."""
-        if (pending := self.pending.get(catalog_name(reference))) is not None:
-            return pending  # this node's, being committed: a start waits for the commit
-        try:
-            return self.repository.get(catalog_name(reference))
-        except (SnapshotNotFound, RepositoryError):
-            if (found := await self.committed_elsewhere(catalog_name(reference))) is not None:
-                return found
-            failure = self.pending.failure(catalog_name(reference))
-            raise NotFound(failure or f"template '{reference}' not found") from None
-
-    async def committed_elsewhere(self, name: str) -> SnapshotManifest | None:
-        """A snapshot another node answered, once committed (`PendingSnapshots.elsewhere`); None
-        if no node is committing it."""
-        try:
-            return await self.pending.elsewhere(name, self.settings.pending_wait)
-        except SnapshotPending as exc:
-            raise Unavailable(str(exc), SNAPSHOT_PENDING) from None
-        except SnapshotNotFound as exc:  # its commit failed: why
-            raise NotFound(str(exc)) from None
-
     # -- create ----------------------------------------------------------------------------
 
     async def create(self, request: CreateRequest) -> Sandbox:
-        manifest = await self.resolve_template(request.template)
+        manifest = await self.catalog.resolve(request.template)
         egress_policy(request.allow_internet, request.network)  # 400 before anything starts
         timeout = self.timeout(request.timeout)
         self.mounts.check(request.volume_mounts)
@@ -128,7 +98,7 @@ class Lifecycle:
         if sandbox_id in self.table.sandboxes:
             raise Conflict(f"sandbox {sandbox_id} exists already")
         # A warm VM of the template has its network already.
-        networks = 0 if self.pool.ready(manifest.id) else 1
+        networks = 0 if self.catalog.warm(manifest.id)[1] else 1
         self.admission.check_start("create a sandbox", manifest.machine.memory_mib, networks)
         plan = LaunchPlan.create(request, sandbox_id, manifest, timeout)
         record = plan.record

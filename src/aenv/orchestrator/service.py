@@ -24,6 +24,7 @@ from ..snapshot.engine import SnapshotEngine
 from ..snapshot.manifest import SnapshotManifest
 from .admission import Admission, meminfo_mib
 from .captures import Captures
+from .catalog import Catalog
 from .errors import SandboxError
 from .eviction import Eviction
 from .handover import PauseHandover
@@ -67,8 +68,11 @@ class Orchestrator:
         )
         self.mounts = VolumeMounts(volumes)
         self.history = MetricsHistory(engine.workdir)
+        self.catalog = Catalog(
+            engine.repository, engine.pending, engine.pool, engine.runtime, settings.pending_wait
+        )
         self.lifecycle = Lifecycle(
-            settings, engine, table, catalog=(engine.repository, engine.pending, engine.pool),
+            settings, engine, table, catalog=self.catalog,
             mounts=self.mounts, history=self.history, admission=self.admission,
         )  # fmt: skip
         self.counters = self.lifecycle.counters
@@ -78,6 +82,7 @@ class Orchestrator:
         self.handover = PauseHandover(
             engine, engine.handover, table, self.lifecycle, self.admission, self.events
         )
+        self._parked = engine.parked
         self.recovery = Recovery(engine, engine.handover, engine.parked, table, self.lifecycle)
         self.eviction = Eviction(settings.evict_interval, table, self.lifecycle, self.handover)
         self._durable_uploads = engine.handover  # their commits, waited for at close
@@ -134,10 +139,18 @@ class Orchestrator:
         return self.mounts.users(self.sandboxes.values(), name)
 
     async def resolve_template(self, reference: str) -> SnapshotManifest:
-        return await self.lifecycle.resolve_template(reference)
+        return await self.catalog.resolve(reference)
 
     async def committed_elsewhere(self, name: str) -> SnapshotManifest | None:
-        return await self.lifecycle.committed_elsewhere(name)
+        return await self.catalog.committed_elsewhere(name)
+
+    def serial_lines(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
+        """The sandbox's serial console from line `start` (blocking: it reads the log)."""
+        return self.engine.serial_lines(sandbox_id, start, limit)
+
+    def parked(self) -> int:
+        """Paused sandboxes whose QEMU process is kept (`aenv.snapshot.parking`)."""
+        return len(self._parked)
 
     async def running_vm(self, sandbox_id: str, *, resume: bool) -> Sandbox | None:
         return await self.lifecycle.running_vm(sandbox_id, resume=resume)
