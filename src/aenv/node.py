@@ -45,6 +45,7 @@ from .snapshot.parking import ParkingPolicy
 from .snapshot.repository import AliasConflict, SnapshotNotFound
 from .storage.open import Storage, open_storage
 from .storage.peers import BlobServer
+from .storage.protocols import Repository
 from .telemetry import Telemetry
 from .vmm import confine, merge, serial
 from .vmm.accel import choose_accelerator
@@ -96,6 +97,7 @@ class Node:
         self.settings = settings
         self.runner: web.AppRunner | None = None
         self.networks: NetworkPool | None = None
+        self.engine: SnapshotEngine | None = None
         self.orchestrator: Orchestrator | None = None
         self.housekeeper: Housekeeper | None = None
         self.api: NodeAPI | None = None
@@ -137,6 +139,7 @@ class Node:
             runtime=self.storage.runtime, durable_pauses=self.storage.shared, events=events,
             describe=pause_metadata(store), warm_size=settings.warm_pool_size,
         )  # fmt: skip
+        self.engine = engine
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         ids = IdRange(settings.volume_uid_base, GUEST_IDS)
@@ -148,12 +151,12 @@ class Node:
         await self.orchestrator.start(kept)
         if pending := engine.recover_pending():
             log.info("committing %d snapshots a previous node process answered but did not commit", pending)
-        template = await self._base_template(engine, settings)
+        template = await self._base_template(engine, repository, settings)
         # After recovery and the base template: collection must know every layer they use.
         self.housekeeper = Housekeeper(engine, settings.gc_interval)
         await self.housekeeper.start()
         for manifest in repository.list("template"):
-            await engine.pool.set_target(manifest.id, settings.warm_pool_size)
+            await engine.keep_warm(manifest.id)
         telemetry = Telemetry(CollectorRegistry())
         service = LocalNode(self.orchestrator, self.housekeeper, node_id(home), telemetry.observe)
         self.api = NodeAPI(
@@ -231,10 +234,10 @@ class Node:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""
         return self.settings.domain or f"localhost:{self.settings.port}"
 
-    async def _base_template(self, engine: SnapshotEngine, settings: Settings) -> str:
+    async def _base_template(self, engine: SnapshotEngine, repository: Repository, settings: Settings) -> str:
         """The `base` template: built at the first start, and again when this node cannot run it."""
         try:
-            manifest = engine.repository.get(BASE_TEMPLATE)
+            manifest = repository.get(BASE_TEMPLATE)
         except SnapshotNotFound:
             log.info("building the %s template (one boot, once per node)", BASE_TEMPLATE)
         else:
@@ -242,7 +245,7 @@ class Node:
             if problem is None:
                 return manifest.id
             log.warning("the %s template cannot run here (%s): building it again", BASE_TEMPLATE, problem)
-            engine.repository.delete(manifest.id, defer=True)
+            repository.delete(manifest.id, defer=True)
         try:
             manifest = await engine.build_template(
                 BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
@@ -250,7 +253,7 @@ class Node:
         except AliasConflict:
             # Another node of the same shared repository built it meanwhile (two fresh nodes
             # started together): its build is as good as ours, which the repository withdrew.
-            manifest = engine.repository.get(BASE_TEMPLATE)
+            manifest = repository.get(BASE_TEMPLATE)
             if problem := await engine.incompatibility(manifest):
                 message = f"the {BASE_TEMPLATE} template another node built cannot run here: {problem}"
                 raise RuntimeError(message) from None
@@ -280,8 +283,8 @@ class Node:
 
     async def stop(self) -> int:
         """Stop everything; returns how many store operations were given up (still running)."""
-        if self.orchestrator is not None:
-            self.orchestrator.engine.stop_within(self.settings.stop_timeout)
+        if self.engine is not None:
+            self.engine.stop_within(self.settings.stop_timeout)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.housekeeper is not None:
@@ -297,7 +300,7 @@ class Node:
         if self.storage is not None:
             self.storage.heartbeat.stop()
         log.info("node stopped")
-        return (self.orchestrator.engine.abandoned if self.orchestrator is not None else 0) + given_up
+        return (self.engine.abandoned if self.engine is not None else 0) + given_up
 
 
 async def serve(settings: Settings) -> None:

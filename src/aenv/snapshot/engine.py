@@ -153,6 +153,10 @@ class SnapshotEngine:
         """Build and commit a template; `options` are `TemplateBuilder.build`'s."""
         return await self.templates.build(alias, **options)
 
+    async def keep_warm(self, snapshot_id: str) -> None:
+        """Keep the node's number of warm VMs of a template (`warm_size`)."""
+        await self.pool.set_target(snapshot_id, self.pool.size)
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(
