@@ -158,7 +158,6 @@ class Lifecycle:
             exited = _exit_reason(code)
             reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {rfc3339(clock.now())}"
             log.error("sandbox %s was lost: %s", sandbox.id, reason)
-            self.counters["lost"] += 1
             self.table.lose(sandbox.id, reason)
             self.table.publish(SandboxLost(sandbox.id, reason))
             try:

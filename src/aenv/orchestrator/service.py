@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
+from ..events import SandboxLost
 from ..network.netns import SandboxNetwork
 from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.engine import SnapshotEngine
@@ -75,7 +76,8 @@ class Orchestrator:
             settings, engine, table, catalog=self.catalog,
             mounts=self.mounts, history=self.history, admission=self.admission,
         )  # fmt: skip
-        self.counters = self.lifecycle.counters
+        self.counters = self.lifecycle.counters  # the node's figures (`NodeStatus`)
+        self.events.subscribe(SandboxLost, self._count_lost)
         self.captures = Captures(
             engine, engine.checkpoints, table, self.lifecycle, self.mounts, self.admission, self.events
         )
@@ -86,6 +88,9 @@ class Orchestrator:
         self.recovery = Recovery(engine, engine.handover, engine.parked, table, self.lifecycle)
         self.eviction = Eviction(settings.evict_interval, table, self.lifecycle, self.handover)
         self._durable_uploads = engine.handover  # their commits, waited for at close
+
+    def _count_lost(self, lost: SandboxLost) -> None:
+        self.counters["lost"] += 1
 
     # -- startup and shutdown --------------------------------------------------------------
 
