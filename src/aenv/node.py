@@ -38,6 +38,7 @@ from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
 from .orchestrator.handover import pause_metadata
 from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
+from .orchestrator.mounting import stored_users
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .snapshot.engine import SnapshotEngine
@@ -143,10 +144,9 @@ class Node:
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         ids = IdRange(settings.volume_uid_base, GUEST_IDS)
-        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib)
+        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib, stored_users(store))
         volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root", ids))
         self.orchestrator = Orchestrator(settings, engine, store, volumes)
-        volume_store.in_use = self.orchestrator.volume_users
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
         if pending := engine.recover_pending():

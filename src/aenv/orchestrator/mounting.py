@@ -6,17 +6,24 @@ exist, a started or resumed guest gets its mounts, a stopped one's volume server
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from .errors import InvalidRequest
 from .sandboxes import Sandbox
+from .store import SandboxRecord, SandboxStore
 
 if TYPE_CHECKING:
     from ..volumes.mounts import SandboxVolumes
 
 # Metadata of a snapshot taken while its sandbox had volumes mounted (its guest holds the mounts).
 VOLUMES_MARK = "aenv.volumes"
+
+
+def stored_users(store: SandboxStore) -> Callable[[str], list[str]]:
+    """Who mounts a volume, from the sandboxes' stored records: the store holds every sandbox the
+    node has from its start to its end, so a volume store built before the orchestrator asks it."""
+    return lambda name: VolumeMounts.users(store.all(), name)
 
 
 class VolumeMounts:
@@ -49,9 +56,9 @@ class VolumeMounts:
             await self.volumes.detach(sandbox.id)
 
     @staticmethod
-    def users(sandboxes: Iterable[Sandbox], name: str) -> list[str]:
+    def users(records: Iterable[SandboxRecord], name: str) -> list[str]:
         """The sandboxes (running or paused) that mount the volume named `name`."""
-        return [s.id for s in sandboxes if any(m["name"] == name for m in s.record.volume_mounts)]
+        return [r.sandbox_id for r in records if any(m["name"] == name for m in r.volume_mounts)]
 
     @staticmethod
     def snapshot_metadata(sandbox: Sandbox) -> dict[str, str]:

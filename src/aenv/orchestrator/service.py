@@ -141,7 +141,7 @@ class Orchestrator:
 
     def volume_users(self, name: str) -> list[str]:
         """The sandboxes (running or paused) that mount the volume named `name`."""
-        return self.mounts.users(self.sandboxes.values(), name)
+        return self.mounts.users((s.record for s in self.sandboxes.values()), name)
 
     async def resolve_template(self, reference: str) -> SnapshotManifest:
         return await self.catalog.resolve(reference)
