@@ -26,6 +26,7 @@ from aenv.events import Event, EventBus, PauseDurable, SandboxChanged, SandboxLo
 from aenv.orchestrator.errors import NotFound
 from aenv.orchestrator.handover import SANDBOX_RECORD
 from aenv.orchestrator.interface import CreateRequest
+from aenv.orchestrator.local import LocalNode
 from aenv.orchestrator.service import Orchestrator
 from aenv.orchestrator.states import State
 from aenv.orchestrator.store import SandboxStore
@@ -104,8 +105,11 @@ class FakeEngine:
         self.networks = None
         self.states: dict[str, SandboxState] = {}
         self.handover = FakeHandover()
-        self.repository = SimpleNamespace(get=self._template)
-        self.pending = SimpleNamespace(get=lambda name: None, failure=lambda name: None, elsewhere=self._none)
+        self.repository = SimpleNamespace(get=self._template, list=lambda kind=None: [TEMPLATE])
+        self.pending = SimpleNamespace(
+            get=lambda name: None, failure=lambda name: None, elsewhere=self._none, list=list
+        )
+        self.templates = self.layers = None  # template builds: not run here
         self.pool = SimpleNamespace(ready=lambda snapshot_id: 0, target=lambda snapshot_id: 0)
         self.runtime = SimpleNamespace(cache_stats=lambda: None)
         self.checkpoints = SimpleNamespace(list=lambda sandbox_id: [])
@@ -329,5 +333,17 @@ def test_fork_children_are_new_sandboxes_with_their_own_tokens(tmp_path: Path) -
             assert child.record.envd_token not in (None, source.record.envd_token)
             assert child.record.timeout == 30 and child.record.generation == 1
         assert source.record.state == State.RUNNING
+
+    run(main)
+
+
+def test_the_node_service_lists_and_finds_through_the_catalog(tmp_path: Path) -> None:
+    async def main() -> None:
+        node = Node(tmp_path)
+        service = LocalNode(node.orchestrator, None, "n1")  # type: ignore[arg-type]
+        assert [m.id for m in await service.catalog()] == ["tmpl1"]
+        assert (await service.find("team/base:latest")).id == "tmpl1"
+        with pytest.raises(NotFound, match="'nothing' not found"):
+            await service.find("nothing")
 
     run(main)

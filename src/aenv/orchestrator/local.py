@@ -98,7 +98,7 @@ class LocalNode:
         self.orchestrator = orchestrator
         self.housekeeper = housekeeper
         self.node_id = node_id
-        self.catalog = orchestrator.catalog
+        self._catalog = orchestrator.catalog
         settings, engine = orchestrator.settings, orchestrator.engine
         self.builds = TemplateBuilds(
             settings.home_path / "templates", engine.repository, engine.templates, engine.layers,
@@ -211,16 +211,16 @@ class LocalNode:
     # -- catalog ---------------------------------------------------------------------------
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        committed, pending = self.catalog.listing(kind)
+        committed, pending = self._catalog.listing(kind)
         committed = [m for m in committed if not _hidden(m)]
         known = {m.id for m in committed}
         pending = [m for m in pending if m.id not in known] if kind != "template" else []
         return [*reversed(pending), *committed]  # newest first: those being committed are newer
 
     async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
-        manifest = await self.catalog.find(reference)
+        manifest = await self._catalog.find(reference)
         if manifest is None:
-            failure = self.catalog.failure(reference)  # answered, then failed
+            failure = self._catalog.failure(reference)  # answered, then failed
             raise NotFound(failure or f"'{reference}' not found")
         if PAUSE_MARK in manifest.metadata:
             raise NotFound(f"'{reference}' not found")
@@ -239,13 +239,13 @@ class LocalNode:
         if BUILT_MARK in manifest.metadata and manifest.alias in self.builds.templates:
             await self._delete_built(manifest.alias)
             return
-        if manifest.kind == "template" or self.catalog.warm(manifest.id)[0] > 0:
+        if manifest.kind == "template" or self._catalog.warm(manifest.id)[0] > 0:
             name = manifest.alias or manifest.id
             raise Conflict(
                 f"'{name}' is built into this node: creates and a warm pool use it, so it cannot be deleted"
             )
         try:
-            await self.catalog.delete(manifest.id, pending=PENDING_MARK in manifest.metadata)
+            await self._catalog.delete(manifest.id, pending=PENDING_MARK in manifest.metadata)
         except RepositoryError as exc:
             raise Conflict(str(exc)) from exc
         log.info("deleted %s %s (alias %s) at the API's request", manifest.kind, manifest.id, manifest.alias)
@@ -255,7 +255,7 @@ class LocalNode:
             raise Conflict(f"template '{name}' has a build in progress; delete it when the build ends")
         for snapshot_id in self.builds.forget(name):
             with contextlib.suppress(SnapshotNotFound):
-                await self.catalog.delete(snapshot_id)
+                await self._catalog.delete(snapshot_id)
         log.info("deleted user-built template %s at the API's request", name)
 
     # -- template builds -------------------------------------------------------------------
@@ -304,7 +304,7 @@ class LocalNode:
         with template_errors():
             pruned = self.builds.remove_tags(name, tags)
         for snapshot_id in pruned:  # no tag names the build any more: no warm VMs for it
-            await self.catalog.drain(snapshot_id)
+            await self._catalog.drain(snapshot_id)
 
     async def template_tags(self, reference: str) -> list[TagInfo]:
         with template_errors():
@@ -324,7 +324,7 @@ class LocalNode:
             lost=self.orchestrator.counters["lost"],
             parked=self.orchestrator.parked(),
             gc=self.housekeeper.totals,
-            cache=self.catalog.cache_stats(),
+            cache=self._catalog.cache_stats(),
             merged_bytes=merged,
         )
 
