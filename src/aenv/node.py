@@ -32,13 +32,17 @@ from .api.server import NodeAPI
 from .cluster.membership import Membership
 from .cluster.peers import SchedulerPeers
 from .config import Settings, load_settings
+from .events import EventBus, SandboxStopped
 from .guest.artifacts import GuestArtifacts, ensure_guest_artifacts
 from .network.pool import NetworkPool
 from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
+from .orchestrator.handover import pause_metadata
 from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
+from .orchestrator.mounting import stored_users
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
+from .repository.contract import Repository
 from .repository.errors import AliasConflict, SnapshotNotFound
 from .runtime.open import Storage, open_storage
 from .runtime.peers import BlobServer, Peers
@@ -104,6 +108,7 @@ class Node:
         self.settings = settings
         self.runner: web.AppRunner | None = None
         self.networks: NetworkPool | None = None
+        self.engine: SnapshotEngine | None = None
         self.orchestrator: Orchestrator | None = None
         self.housekeeper: Housekeeper | None = None
         self.api: NodeAPI | None = None
@@ -138,34 +143,38 @@ class Node:
             slots=SlotAllocator(settings.slot_first, settings.slot_count),
         )
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
+        store = SandboxStore(home / "node.db")
+        events = EventBus()
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime, durable_pauses=repository.shared,
+            runtime=self.storage.runtime, durable_pauses=repository.shared, events=events,
+            describe=pause_metadata(store), warm_size=settings.warm_pool_size,
         )  # fmt: skip
+        self.engine = engine
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         ids = IdRange(settings.volume_uid_base, GUEST_IDS)
-        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib)
+        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib, stored_users(store))
         volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root", ids))
-        self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"), volumes)
-        volume_store.in_use = self.orchestrator.volume_users
+        self.orchestrator = Orchestrator(settings, engine, store, volumes)
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
         if pending := engine.recover_pending():
             log.info("committing %d snapshots a previous node process answered but did not commit", pending)
-        template = await self._base_template(engine, settings)
+        template = await self._base_template(engine, repository, settings)
         # After recovery and the base template: collection must know every layer they use.
         self.housekeeper = Housekeeper(engine, settings.gc_interval)
         await self.housekeeper.start()
         for manifest in repository.list("template"):
-            await engine.pool.set_target(manifest.id, settings.warm_pool_size)
+            await engine.keep_warm(manifest.id)
         telemetry = Telemetry(CollectorRegistry())
         service = LocalNode(self.orchestrator, self.housekeeper, node_id(home), telemetry.observe)
         self.api = NodeAPI(
             service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store,
             telemetry=telemetry,
         )  # fmt: skip
-        self.orchestrator.on_stopped = self.api.proxy.release
+        proxy = self.api.proxy
+        events.subscribe(SandboxStopped, lambda stopped: proxy.release(stopped.sandbox_id))
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.runtime.peers.
@@ -193,8 +202,9 @@ class Node:
             time.monotonic() - started, settings.api_addr,
         )  # fmt: skip
         if settings.scheduler_url:  # in a cluster: join it once the node serves
-            self.membership = Membership.for_node(settings, self.orchestrator, node_id(home))
-            self.orchestrator.on_changed = self.membership.changed
+            self.membership = Membership.for_node(
+                settings, self.orchestrator, repository, node_id(home), events
+            )
             await self.membership.start()
 
     def _confine_vmms(self, home: Path, artifacts: GuestArtifacts, repository: Path) -> None:
@@ -230,10 +240,10 @@ class Node:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""
         return self.settings.domain or f"localhost:{self.settings.port}"
 
-    async def _base_template(self, engine: SnapshotEngine, settings: Settings) -> str:
+    async def _base_template(self, engine: SnapshotEngine, repository: Repository, settings: Settings) -> str:
         """The `base` template: built at the first start, and again when this node cannot run it."""
         try:
-            manifest = engine.repository.get(BASE_TEMPLATE)
+            manifest = repository.get(BASE_TEMPLATE)
         except SnapshotNotFound:
             log.info("building the %s template (one boot, once per node)", BASE_TEMPLATE)
         else:
@@ -241,7 +251,7 @@ class Node:
             if problem is None:
                 return manifest.id
             log.warning("the %s template cannot run here (%s): building it again", BASE_TEMPLATE, problem)
-            engine.repository.delete(manifest.id, defer=True)
+            repository.delete(manifest.id, defer=True)
         try:
             manifest = await engine.build_template(
                 BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
@@ -249,7 +259,7 @@ class Node:
         except AliasConflict:
             # Another node of the same shared repository built it meanwhile (two fresh nodes
             # started together): its build is as good as ours, which the repository withdrew.
-            manifest = engine.repository.get(BASE_TEMPLATE)
+            manifest = repository.get(BASE_TEMPLATE)
             if problem := await engine.incompatibility(manifest):
                 message = f"the {BASE_TEMPLATE} template another node built cannot run here: {problem}"
                 raise RuntimeError(message) from None
@@ -279,8 +289,8 @@ class Node:
 
     async def stop(self) -> int:
         """Stop everything; returns how many store operations were given up (still running)."""
-        if self.orchestrator is not None:
-            self.orchestrator.engine.stop_within(self.settings.stop_timeout)
+        if self.engine is not None:
+            self.engine.stop_within(self.settings.stop_timeout)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.housekeeper is not None:
@@ -296,7 +306,7 @@ class Node:
         if self.storage is not None:
             self.storage.heartbeat.stop()
         log.info("node stopped")
-        return (self.orchestrator.engine.abandoned if self.orchestrator is not None else 0) + given_up
+        return (self.engine.abandoned if self.engine is not None else 0) + given_up
 
 
 async def serve(settings: Settings) -> None:

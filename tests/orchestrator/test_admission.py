@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from aenv.api.server import STATUS
+from aenv.api.status import STATUS
 from aenv.orchestrator.admission import Admission, free_disk_mib, meminfo_mib
 from aenv.orchestrator.errors import InsufficientStorage, Unavailable
 

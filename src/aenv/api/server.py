@@ -5,7 +5,7 @@ HTML page); the sandbox proxy serves data-plane traffic (routing headers, sandbo
 `/proxy`) which carries no API key; then API-key authentication for everything else.
 
 Handlers talk to the node only through `NodeService` (`aenv.orchestrator.interface`): this module
-maps the wire to its calls and its typed errors to statuses (`STATUS`), and nothing else.
+maps the wire to its calls and its typed errors to statuses (`status.STATUS`), and nothing else.
 """
 
 from __future__ import annotations
@@ -31,18 +31,12 @@ from ..agent.envd import ENVD_VERSION
 from ..cluster.auth import cluster_gate
 from ..cluster.wire import node_route
 from ..orchestrator.errors import (
-    BadGuest,
-    Conflict,
-    Forbidden,
-    InsufficientStorage,
     InvalidRequest,
     NotFound,
-    OperationFailed,
     SandboxError,
-    Unavailable,
 )
+from ..orchestrator.ids import catalog_name
 from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, RouteService, follows
-from ..orchestrator.service import catalog_name
 from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
 from ..vmm.serial import NEXT_START_HEADER
@@ -50,6 +44,7 @@ from ..volumes.store import VolumeStore
 from . import openapi, rollouts, schemas, templates, views, volumes
 from .fusion import Fusion
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
+from .status import status_of
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +58,6 @@ PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 # The node's limits that request bodies are validated against (schemas.limits).
 LIMITS_KEY = web.AppKey("limits", dict)
 SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")  # E2B's sandbox IDs (also in the OpenAPI document)
-# The one place where kinds of failure become HTTP statuses.
-STATUS: dict[type[SandboxError], int] = {
-    InvalidRequest: 400,
-    Forbidden: 403,
-    NotFound: 404,
-    Conflict: 409,
-    Unavailable: 503,
-    InsufficientStorage: 507,
-    BadGuest: 502,
-    OperationFailed: 500,
-}
 
 
 GC_METRICS = {
@@ -97,10 +81,6 @@ CACHE_METRICS = {
     "evictions": "Runtime cache files evicted (least recently used first) since the node started",
     "fetched_bytes": "Bytes the runtime cache fetched from the repository since the node started",
 }
-
-
-def status_of(error: SandboxError) -> int:
-    return next(code for kind, code in STATUS.items() if isinstance(error, kind))
 
 
 def error_response(status: int, message: str, error_code: str | None = None) -> web.Response:

@@ -6,7 +6,7 @@ import platform
 from typing import Any
 
 from ..orchestrator.interface import NodeStatus
-from ..orchestrator.service import DISK_SIZE_MB
+from ..orchestrator.launch import DISK_SIZE_MB
 from ..orchestrator.states import State, api_state
 from ..orchestrator.store import SandboxRecord
 from ..repository.manifest import SnapshotManifest

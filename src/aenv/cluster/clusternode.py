@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 
 from ..orchestrator import fanout
 from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, SandboxError, Unavailable
+from ..orchestrator.ids import new_sandbox_id
 from ..orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult, ListQuery
-from ..orchestrator.service import new_sandbox_id
 from ..orchestrator.store import SandboxRecord
 from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint

@@ -1,7 +1,7 @@
 """What a node operation can refuse or fail with, by kind rather than by HTTP status.
 
 The orchestrator and the node service raise these; the HTTP layer maps each kind to a status in
-one table (`aenv.api.server.STATUS`), and a gateway can map them the same way, so the same
+one table (`aenv.api.status.STATUS`), and a gateway can map them the same way, so the same
 situation always gets the same answer whichever operation met it.
 """
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..events import EventBus
 from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
@@ -33,7 +34,7 @@ from ..runtime.resolvers import LocalRuntime
 from ..vmm.accel import Accelerator
 from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
-from .handover import Handover
+from .handover import Describe, Handover
 from .host import Host
 from .lifecycle import Lifecycle
 from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxVM
@@ -54,7 +55,9 @@ class SnapshotEngine:
     `runtime` resolves snapshots to local files; by default the files of a repository on this
     host's filesystem are used in place. With `durable_pauses` (a repository other nodes share),
     every pause is also committed to the repository in the background, so another node can
-    take the paused sandbox over (`aenv.snapshot.handover`).
+    take the paused sandbox over (`aenv.snapshot.handover`), carrying what `describe` says of it.
+    Its parts publish on `events` (pauses saved and durable, snapshots failed) and the warm pools
+    follow template builds there, keeping `warm_size` VMs of each new one.
     """
 
     def __init__(
@@ -69,6 +72,9 @@ class SnapshotEngine:
         parking: ParkingPolicy | None = None,
         runtime: RuntimeResolver | None = None,
         durable_pauses: bool = False,
+        events: EventBus | None = None,
+        describe: Describe | None = None,
+        warm_size: int = 0,
     ):
         self.layers = LayerStore(home / "layers")
         self.sandboxes_dir = home / "sandboxes"
@@ -85,16 +91,16 @@ class SnapshotEngine:
         )  # fmt: skip
         self.repository, self.runtime, self.artifacts, self.accel = repository, runtime, artifacts, accel
         self.networks = networks
+        self.events = events = events or EventBus()
         self.clones = clones = Clones(self.host)
         self.templates = TemplateBuilder(self.host, artifacts)
         self.warm = WarmVMs(self.host, clones)
-        self.pool = WarmPool(self.warm)
+        self.pool = WarmPool(self.warm, events=events, size=warm_size)
         # Off unless asked for: without it, every pause ends the QEMU process at once.
-        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0))
+        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0), events)
         self.parked = self.pauses.lot
-        self.handover = Handover(self.host, durable_pauses)
-        self.pauses.on_saved = self.handover.paused
-        self.pending = PendingSnapshots(self.host, repository.pending_dir())
+        self.handover = Handover(self.host, durable_pauses, events, describe)
+        self.pending = PendingSnapshots(self.host, repository.pending_dir(), events)
         self.lifecycle = Lifecycle(
             self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
         )
@@ -148,6 +154,10 @@ class SnapshotEngine:
         """Build and commit a template; `options` are `TemplateBuilder.build`'s."""
         return await self.templates.build(alias, **options)
 
+    async def keep_warm(self, snapshot_id: str) -> None:
+        """Keep the node's number of warm VMs of a template (`warm_size`)."""
+        await self.pool.set_target(snapshot_id, self.pool.size)
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(
@@ -185,7 +195,7 @@ class SnapshotEngine:
 
     async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
         """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
-        return await self.handover.take_over(self.lifecycle, pause, init, policy)
+        return await self.handover.take_over(self.lifecycle.start, pause, init, policy)
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)

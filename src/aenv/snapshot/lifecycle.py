@@ -283,7 +283,7 @@ class Lifecycle:
         A snapshot that fails before it is answered leaves nothing: its capture is removed and
         a disk layer it sealed is unsealed (`unseal`), so the sandbox runs on its chain as it
         was. One whose background commit fails is rolled back by `pending` (its files), and
-        whoever serializes the sandbox's operations unseals its layer (`PendingSnapshots.on_failed`).
+        whoever serializes the sandbox's operations unseals its layer (`SnapshotFailed`).
         """
         host = self.host
         self._check_alias_free(alias)
@@ -427,7 +427,7 @@ class Lifecycle:
 
         The children share one hidden snapshot, deleted as soon as the last of them is gone. A
         fork that fails leaves the source's disk chain as it was: a failed commit is undone by
-        `snapshot`'s caller (`PendingSnapshots.on_failed`), children that fail to start here.
+        `snapshot`'s caller (`SnapshotFailed`), children that fail to start here.
         """
         sealed = sandbox.state.disk_layers[-1]
         manifest = await self.snapshot(sandbox, metadata={"aenv.fork-of": sandbox.sandbox_id})
