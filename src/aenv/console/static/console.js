@@ -25,7 +25,8 @@ async function api(method, path, body) {
   const response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   if (response.status === 401) { logout(); throw new Error("invalid API key"); }
   if (!response.ok) throw new Error((await response.json().catch(() => ({}))).message || `HTTP ${response.status}`);
-  return response.status === 204 ? null : response.json();
+  const text = await response.text(); // some answers have no body (204, and a build's start: 202)
+  return text ? JSON.parse(text) : null;
 }
 
 async function act(what, fn) {
@@ -202,7 +203,8 @@ function sandboxView(id) {
     h("section", {}, h("h2", {}, "Terminal ", termStatus), termEl),
     h("section", {}, h("h2", {}, "CPU and memory"), metrics),
     h("section", {}, h("h2", {}, "Serial log"), log),
-    h("section", {}, h("h2", {}, "Checkpoints"), table(["Checkpoint", "Name", "Parent", "Taken", ""], checkpoints))));
+    h("section", { class: "checkpoints" }, h("h2", {}, "Checkpoints"),
+      table(["Checkpoint", "Name", "Parent", "Taken", ""], checkpoints))));
   const render = async () => {
     const s = await api("GET", `/sandboxes/${id}`);
     head.replaceChildren(h("a", { onclick: () => show(sandboxesView) }, "← sandboxes"),
