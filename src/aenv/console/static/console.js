@@ -92,7 +92,7 @@ function sandboxesView() {
       h("td", {}, ago(s.startedAt)),
       h("td", {}, s.state === "running" ? `${Math.max(0, Math.round((Date.parse(s.endAt) - Date.now()) / 1000))} s` : "–"),
       h("td", {}, `${s.cpuCount} / ${s.memoryMB}`),
-      h("td", {}, Object.entries(s.metadata || {}).map(([k, v]) => `${k}=${v}`).join(" ")),
+      h("td", { class: "wrap" }, Object.entries(s.metadata || {}).map(([k, v]) => `${k}=${v}`).join(" ")),
       sandboxActions(s))));
   };
 }
