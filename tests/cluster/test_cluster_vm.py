@@ -40,8 +40,15 @@ from aenv.repository.posix import SnapshotRepository
 from aenv.repository.s3 import S3Repository
 from aenv.runtime.layers import LayerStore
 from bench.soak import footprint
-from tests.e2e.conftest import sandboxes, wait_until
-from tests.e2e.test_console import browser, test_console_terminal_across_pause_and_resume
+from tests.e2e.conftest import Sandboxes, sandboxes, wait_until
+from tests.e2e.test_console import (
+    ROWS_JS,
+    SLOW_MS,
+    browser,
+    log_in,
+    test_console_terminal_across_pause_and_resume,
+    wait_for_line,
+)
 from tests.e2e.test_js_sdk import test_js_sdk_smoke
 from tests.e2e.test_sdk_async import asandboxes, test_async_files, test_async_host_list_lifecycle
 from tests.e2e.test_sdk_sync import (
@@ -273,6 +280,35 @@ def test_gateway_nodes_list_the_cluster(cluster: Cluster) -> None:
         nodes = api.get("/nodes").raise_for_status().json()
     assert {n["id"] for n in nodes} == set(cluster.nodes)
     assert all(n["status"] == "up" and n["capacity"]["memoryMB"] > 0 and n["version"] for n in nodes)
+
+
+def test_the_console_through_a_gateway_names_each_sandbox_s_node(
+    cluster: Cluster, sandboxes: Sandboxes, browser: Any, tmp_path: Path
+) -> None:
+    """Sandboxes of two nodes, each with its node; the nodes view lists the cluster; a terminal
+    into a sandbox on another node than the first one's."""
+    from playwright.sync_api import expect
+
+    homes: dict[str, str] = {}  # placement spreads: NODES + 1 creates reach every node
+    while len(set(homes.values())) < 2 and len(homes) <= NODES:
+        sandbox_id = sandboxes.create(metadata={"view": "gateway"}).sandbox_id
+        homes[sandbox_id] = cluster.node_of(sandbox_id)
+    assert len(set(homes.values())) == 2, homes
+    page, shot = log_in(browser, cluster.gateways[0], tmp_path)
+    for sandbox_id, node_id in homes.items():
+        expect(page.locator(f'tr[data-id="{sandbox_id}"] td.node')).to_have_text(node_id, timeout=30_000)
+    shot("gateway-sandboxes")
+    page.click("nav button[data-view=nodes]")
+    expect(page.locator("main tbody tr")).to_have_count(NODES, timeout=30_000)
+    shot("gateway-nodes")
+    first = next(iter(homes.values()))
+    page.click("nav button[data-view=sandboxes]")
+    page.click(f"text={next(i for i, node_id in homes.items() if node_id != first)}")
+    page.wait_for_function(f"{ROWS_JS}.some(row => row.endsWith('$'))", timeout=SLOW_MS)  # the prompt
+    page.click("#terminal")
+    page.keyboard.type("echo across-$((40+2))\n")
+    wait_for_line(page, "across-42")
+    shot("gateway-terminal")
 
 
 def test_a_node_port_is_no_open_door(cluster: Cluster) -> None:

@@ -198,6 +198,11 @@ async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None
     await cluster.create(metadata={"job": "b"})
     everything = (await cluster.gateway.get("/v2/sandboxes", params={"metadata": "job=a"})).json()
     assert {s["sandboxID"] for s in everything} == ids
+    holders = {i: (await cluster.gateway.get(f"/sandboxes/{i}")).json()["clientID"] for i in ids}
+    assert {s["sandboxID"]: s["clientID"] for s in everything} == holders  # each names its node
+    assert set(holders.values()) == {"na", "nb"}
+    running = (await cluster.gateway.get("/sandboxes", params={"metadata": "job=a"})).json()
+    assert {s["sandboxID"]: s["clientID"] for s in running} == holders
     paged, token = [], None
     while True:
         params = {"metadata": "job=a", "limit": "2"} | ({"nextToken": token} if token else {})

@@ -465,13 +465,17 @@ class NodeAPI:
         query = ListQuery(
             states=frozenset({"running"}), metadata=metadata_filter(request.query.get("metadata"))
         )
-        return web.json_response([views.listed(r) for r in await self.node.list(query)])
+        return web.json_response(await self.listed(query))
+
+    async def listed(self, query: ListQuery) -> list[dict[str, Any]]:
+        """The list's entries (a gateway names each one's node: `GatewayAPI.listed`)."""
+        return [views.listed(r) for r in await self.node.list(query)]
 
     async def list_v2(self, request: web.Request) -> web.Response:
         # The node pages too (one more than the page, so the token is known to be needed).
         limit = _int_query(request, "limit", low=1, high=100)
         query = replace(list_query(request), after=_cursor(request), limit=limit and limit + 1)
-        listed = [views.listed(r) for r in await self.node.list(query)]
+        listed = await self.listed(query)
         return _paginate(
             request,
             listed,

@@ -218,7 +218,11 @@ class ClusterNode(ClusterCatalog, ClusterBuilds):
         return (await self.locate(sandbox_id))[1].node_id
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        """Every live node's matches, in a single node's order: start time, then id.
+        return [record for record, _ in await self.list_placed(query)]
+
+    async def list_placed(self, query: ListQuery) -> list[tuple[SandboxRecord, str]]:
+        """Every live node's matches, in a single node's order: start time, then id; each with
+        the id of the node that holds it.
 
         A paged query's page is the nodes' pages merged, cut to the page again. Each node is first
         asked for its even share of the page with a margin (`SHARE_MARGIN`), not a whole page:
@@ -247,7 +251,8 @@ class ClusterNode(ClusterCatalog, ClusterBuilds):
                     more.discard(info.node_id)
             page = _ordered(query, [r for records in found.values() for r in records])
             if limit is None or not (asks := _rest(query, limit, page, {i: found[i][-1] for i in more})):
-                return page
+                holder = {id(r): node_id for node_id, records in found.items() for r in records}
+                return [(record, holder[id(record)]) for record in page]
 
     async def kill(self, sandbox_id: str) -> None:
         """On its node; while that node is down and does not answer, in the cluster's records

@@ -27,6 +27,7 @@ from ..api.server import NodeAPI
 from ..api.upstream import Upstream
 from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
+from ..orchestrator.interface import ListQuery
 from .auth import CLUSTER_SECRET_HEADER
 from .client import SchedulerClient
 from .clusternode import ClusterNode
@@ -123,6 +124,10 @@ class GatewayAPI(NodeAPI):
         record = await self.node.get(sandbox_id)
         detail = views.detail(record, self.domain)
         return web.json_response(detail | {"clientID": await self.node.node_of(sandbox_id)})
+
+    async def listed(self, query: ListQuery) -> list[dict[str, Any]]:
+        """Each entry names the node that holds the sandbox as `clientID`, as `get_sandbox` does."""
+        return [views.listed(r) | {"clientID": node_id} for r, node_id in await self.node.list_placed(query)]
 
     async def list_nodes(self, request: web.Request) -> web.Response:
         return web.json_response([node_view(n) for n in await self.node.scheduler.nodes()])
