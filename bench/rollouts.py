@@ -26,6 +26,7 @@ import asyncio
 import statistics
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,7 @@ from aenv.agent.envd import ENVD_PORT
 
 from .context import Context, Sandboxes, bounded
 from .node import BenchError
+from .probe import Probe
 from .report import Row
 from .stats import ms_since, percentile, summarize
 
@@ -42,6 +44,7 @@ TOOL_CALLS = 8
 # too few samples for one (the first call in a new QEMU process is the slowest, ~270 ms here).
 ALONE_ROUNDS = 4
 REWARD = "/tmp/reward.txt"
+PROBED = ("/health", "/sandboxes")  # the node API while the rollouts run: its loop, and a listing
 
 
 def _guest(sandbox: dict[str, Any]) -> dict[str, str]:
@@ -117,34 +120,57 @@ async def prepared(ctx: Context, sandboxes: Sandboxes) -> str:
     return snapshot["snapshotID"]
 
 
-async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> tuple[list[float], float, int]:
-    """Tool-call latencies, rollouts per minute and failed rollouts of `count` at once, each
-    worker running `rounds` rollouts one after the other."""
+@dataclass
+class Concurrent:
+    """What `count` rollouts at once measured."""
+
+    latencies: list[float]  # tool calls, ms
+    per_minute: float  # rollouts that succeeded
+    failed: int
+    api: dict[str, list[float]]  # the node API's latencies (ms) per probed path, throughout
+
+    def api_note(self) -> str:
+        return "; ".join(
+            f"API {path} p99 {percentile(samples, 0.99):.0f} ms (max {max(samples):.0f}, n={len(samples)})"
+            for path, samples in self.api.items()
+            if samples
+        )
+
+
+async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> Concurrent:
+    """`count` rollouts at once, each worker running `rounds` of them one after the other, with
+    the node API probed every 100 ms meanwhile (`bench.probe`)."""
     latencies: list[float] = []
     await ctx.host_quiet()
-    started = time.perf_counter()
 
     async def worker() -> None:
         for _ in range(rounds):
             await rollout(ctx, snapshot, latencies)
 
-    outcomes = await asyncio.gather(*(worker() for _ in range(count)), return_exceptions=True)
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    minutes = (time.perf_counter() - started) / 60
-    return latencies, (count * rounds - len(failed)) / minutes, len(failed)
+    async with Probe(ctx.node.url, ctx.node.api_key, PROBED) as probe:
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(*(worker() for _ in range(count)), return_exceptions=True)
+        minutes = (time.perf_counter() - started) / 60
+    failed = sum(isinstance(o, BaseException) for o in outcomes)
+    return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies)
 
 
 async def concurrent_rows(ctx: Context, snapshot: str) -> list[Row]:
-    alone, rate, _ = await concurrent(ctx, snapshot, 1, ALONE_ROUNDS * ctx.plan.rollout_rounds)
-    floor = percentile(alone, 0.99)
-    rows = [
-        Row("rollout-1", summarize("1 rollout: tool-call latency", alone), note=f"{rate:.0f} rollouts/min")
-    ]
+    alone = await concurrent(ctx, snapshot, 1, ALONE_ROUNDS * ctx.plan.rollout_rounds)
+    floor = percentile(alone.latencies, 0.99)
+    figure = summarize("1 rollout: tool-call latency", alone.latencies)
+    rows = [Row("rollout-1", figure, note=f"{alone.per_minute:.0f} rollouts/min; {alone.api_note()}")]
     for count in ctx.plan.rollout_counts:
-        latencies, rate, failed = await concurrent(ctx, snapshot, count, ctx.plan.rollout_rounds)
-        note = f"{rate:.0f} rollouts/min; {failed} failed" + ("" if not failed else " (see the node log)")
-        figure = summarize(f"{count} concurrent rollouts: tool-call latency", latencies)
-        details = {"rollouts_per_min": round(rate, 1), "failed": failed}
+        run = await concurrent(ctx, snapshot, count, ctx.plan.rollout_rounds)
+        note = f"{run.per_minute:.0f} rollouts/min; {run.failed} failed"
+        note += ("" if not run.failed else " (see the node log)") + f"; {run.api_note()}"
+        figure = summarize(f"{count} concurrent rollouts: tool-call latency", run.latencies)
+        details = {
+            "rollouts_per_min": round(run.per_minute, 1),
+            "failed": run.failed,
+            "api_p99_ms": {path: percentile(samples, 0.99) for path, samples in run.api.items() if samples},
+            "api_max_ms": {path: max(samples) for path, samples in run.api.items() if samples},
+        }
         rows.append(
             Row(f"rollout-{count}", figure, floor, "tool-call p99 of 1 rollout", note=note, details=details)
         )
