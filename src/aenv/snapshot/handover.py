@@ -99,6 +99,8 @@ class Handover:
         self.enabled = enabled
         # The sandbox's description carried by its pause snapshot (set by the node service).
         self.describe: Callable[[str], dict[str, str]] = lambda sandbox_id: {}
+        # What it says of the sandbox's checkpoints, which stay here (`aenv.snapshot.checkpoints`).
+        self.carried: Callable[[str, str], dict[str, str]] = lambda sandbox_id, node: {}
         # Told a sandbox id when its pause is committed, so the node can report it as durable.
         self.on_durable: Callable[[str], None] = lambda sandbox_id: None
         self._uploads: dict[str, _Upload] = {}
@@ -113,7 +115,12 @@ class Handover:
         """The pause is on this node's disk: commit it to the repository in the background."""
         if not self.enabled or state.durable is not None:
             return
-        metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id, PAUSED_ON: self.node}
+        metadata = {
+            **self.describe(state.sandbox_id),
+            **self.carried(state.sandbox_id, self.node),
+            PAUSE_MARK: state.sandbox_id,
+            PAUSED_ON: self.node,
+        }
         upload = _Upload(dataclasses.replace(state, disk_layers=list(state.disk_layers)))
         upload.task = asyncio.create_task(self._upload(upload, state, origin, metadata))
         self._uploads[state.sandbox_id] = upload
