@@ -26,6 +26,7 @@ import asyncio
 import statistics
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,10 @@ class Concurrent:
     per_minute: float  # rollouts that succeeded
     failed: int
     api: dict[str, list[float]]  # the node API's latencies (ms) per probed path, throughout
+    errors: Counter[str]  # the failed rollouts' errors, by their message's start
+
+    def failures_note(self) -> str:
+        return "; ".join(f"{count}x {message}" for message, count in self.errors.most_common(3))
 
     def api_note(self) -> str:
         return "; ".join(
@@ -141,18 +146,22 @@ async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> Co
     """`count` rollouts at once, each worker running `rounds` of them one after the other, with
     the node API probed every 100 ms meanwhile (`bench.probe`)."""
     latencies: list[float] = []
+    errors: Counter[str] = Counter()
     await ctx.host_quiet()
 
     async def worker() -> None:
-        for _ in range(rounds):
-            await rollout(ctx, snapshot, latencies)
+        for _ in range(rounds):  # a failed rollout is counted, and the worker goes on with the next
+            try:
+                await rollout(ctx, snapshot, latencies)
+            except Exception as exc:
+                errors[f"{type(exc).__name__}: {exc}"[:160]] += 1
 
     async with Probe(ctx.node.url, ctx.node.api_key, PROBED) as probe:
         started = time.perf_counter()
-        outcomes = await asyncio.gather(*(worker() for _ in range(count)), return_exceptions=True)
+        await asyncio.gather(*(worker() for _ in range(count)))
         minutes = (time.perf_counter() - started) / 60
-    failed = sum(isinstance(o, BaseException) for o in outcomes)
-    return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies)
+    failed = errors.total()
+    return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies, errors)
 
 
 async def concurrent_rows(ctx: Context, snapshot: str) -> list[Row]:
@@ -163,7 +172,7 @@ async def concurrent_rows(ctx: Context, snapshot: str) -> list[Row]:
     for count in ctx.plan.rollout_counts:
         run = await concurrent(ctx, snapshot, count, ctx.plan.rollout_rounds)
         note = f"{run.per_minute:.0f} rollouts/min; {run.failed} failed"
-        note += ("" if not run.failed else " (see the node log)") + f"; {run.api_note()}"
+        note += (f" ({run.failures_note()})" if run.failed else "") + f"; {run.api_note()}"
         figure = summarize(f"{count} concurrent rollouts: tool-call latency", run.latencies)
         details = {
             "rollouts_per_min": round(run.per_minute, 1),
