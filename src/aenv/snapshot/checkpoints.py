@@ -233,5 +233,6 @@ class Checkpoints:
         finally:
             stream.unlink(missing_ok=True)
         await sandbox.guest.destroy(keep_files=True)
-        self.host.layers.remove(old.disk_layers[-1])  # its writable top: no checkpoint holds it
+        # Its writable top (no checkpoint holds it), in a thread as a kill removes one.
+        await asyncio.to_thread(self.host.layers.remove, old.disk_layers[-1])
         return fresh
