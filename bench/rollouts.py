@@ -27,14 +27,16 @@ import statistics
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
 from aenv.agent.envd import ENVD_PORT
 
-from .context import Context, Sandboxes, bounded
+from .context import Context, Sandboxes, bounded, host_busy_ticks
 from .node import BenchError
 from .probe import Probe
 from .report import Row
@@ -45,6 +47,7 @@ TOOL_CALLS = 8
 # too few samples for one (the first call in a new QEMU process is the slowest, ~270 ms here).
 ALONE_ROUNDS = 4
 REWARD = "/tmp/reward.txt"
+T = TypeVar("T")
 PROBED = ("/health", "/sandboxes")  # the node API while the rollouts run: its loop, and a listing
 
 
@@ -122,6 +125,41 @@ async def prepared(ctx: Context, sandboxes: Sandboxes) -> str:
 
 
 @dataclass
+class CpuSplit:
+    """The host's CPU over a run: how busy it was, and the node process's share of that. What is
+    not the node's (nor the harness's, small beside it) is QEMU's: under TCG, each new process
+    translating the guest's code afresh."""
+
+    busy: float  # of all the host's CPU time
+    node: float  # of the busy time
+
+    @classmethod
+    async def over(cls, pid: int | None, run: Awaitable[T]) -> tuple[T, CpuSplit | None]:
+        busy, total = host_busy_ticks()
+        node = _process_ticks(pid)
+        result = await run
+        busy_now, total_now = host_busy_ticks()
+        node_now = _process_ticks(pid)
+        if node is None or node_now is None or busy_now == busy:
+            return result, None
+        return result, cls((busy_now - busy) / (total_now - total), (node_now - node) / (busy_now - busy))
+
+    def note(self) -> str:
+        return f"host CPU {self.busy:.0%} busy, {self.node:.0%} of that the node process, the rest QEMU's"
+
+
+def _process_ticks(pid: int | None) -> int | None:
+    """utime + stime of a process, in clock ticks (as /proc/stat counts them)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+@dataclass
 class Concurrent:
     """What `count` rollouts at once measured."""
 
@@ -130,6 +168,7 @@ class Concurrent:
     failed: int
     api: dict[str, list[float]]  # the node API's latencies (ms) per probed path, throughout
     errors: Counter[str]  # the failed rollouts' errors, by their message's start
+    cpu: CpuSplit | None  # where the host's CPU went meanwhile (a node on this host only)
 
     def failures_note(self) -> str:
         return "; ".join(f"{count}x {message}" for message, count in self.errors.most_common(3))
@@ -158,10 +197,10 @@ async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> Co
 
     async with Probe(ctx.node.url, ctx.node.api_key, PROBED) as probe:
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(count)))
+        _, cpu = await CpuSplit.over(ctx.node.pid, asyncio.gather(*(worker() for _ in range(count))))
         minutes = (time.perf_counter() - started) / 60
     failed = errors.total()
-    return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies, errors)
+    return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies, errors, cpu)
 
 
 async def concurrent_rows(ctx: Context, snapshot: str) -> list[Row]:
@@ -173,12 +212,15 @@ async def concurrent_rows(ctx: Context, snapshot: str) -> list[Row]:
         run = await concurrent(ctx, snapshot, count, ctx.plan.rollout_rounds)
         note = f"{run.per_minute:.0f} rollouts/min; {run.failed} failed"
         note += (f" ({run.failures_note()})" if run.failed else "") + f"; {run.api_note()}"
+        note += f"; {run.cpu.note()}" if run.cpu else ""
         figure = summarize(f"{count} concurrent rollouts: tool-call latency", run.latencies)
         details = {
             "rollouts_per_min": round(run.per_minute, 1),
             "failed": run.failed,
             "api_p99_ms": {path: percentile(samples, 0.99) for path, samples in run.api.items() if samples},
             "api_max_ms": {path: max(samples) for path, samples in run.api.items() if samples},
+            "host_cpu_busy": None if run.cpu is None else round(run.cpu.busy, 3),
+            "node_share_of_busy": None if run.cpu is None else round(run.cpu.node, 3),
         }
         rows.append(
             Row(f"rollout-{count}", figure, floor, "tool-call p99 of 1 rollout", note=note, details=details)
