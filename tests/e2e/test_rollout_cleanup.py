@@ -96,4 +96,5 @@ def test_killed_rollouts_leave_nothing_behind(node: NodeServer, sandboxes: Sandb
         left = [layer for layer in own if (layers / f"{layer}.qcow2").exists()]
         assert own and not left, f"disk layers left: {left}"
     settled(node, before)
-    wait_until(lambda: uplinks(node) <= links_before, 30, what="the node's uplinks to be what they were")
+    # As many as before, not the same ones: the network pool refills on whichever slots are free.
+    wait_until(lambda: len(uplinks(node)) <= len(links_before), 30, what="the node's uplinks to be as many")
