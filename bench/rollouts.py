@@ -18,6 +18,18 @@ Measured here (quick, 2 cores, TCG): 1 rollout alone 88/min, tool call p50 26 ms
 none failed; fan-out of 100 38.8 s against 35.9 s for as many bare restores each running a
 command (1.08x); reset 485 ms against a parked resume's 53 ms (9.2x); a rollout that resets its
 sandbox 501 ms against 698 ms for one that creates and kills (0.72x).
+Full mode (2 rounds per worker; 2 cores, TCG, the host shared): 1 alone 65/min, tool call p50
+32 ms, p99 595 ms; 16 at once 57/min, p99 8.8 s (14.8x); 64 at once 43/min, p99 41 s (69x);
+256 at once did not all complete (192 failed, cause not recorded then: the row now says); fan-out
+of 100 0.97x; reset 483 ms against a parked resume's 50 ms (9.7x); reuse 0.66x. Node API p99
+throughout (`bench.probe`): 47-66 ms alone, 145-185 ms under 16-256 rollouts (max 579 ms).
+py-spy of the node meanwhile: its event loop 52 % busy, 19 % of it making pool networks (7 % of
+that parsing the host's address dump, which grew with the sandboxes: now cached and filtered,
+`aenv.network.egress.denied_host_addresses`), 2 % unlinking killed sandboxes' disks (now in a
+thread).
+
+Each concurrent row's note gives the node API's p99 and how the host's CPU split between the
+node process and QEMU: the evidence of what bounds it under TCG.
 """
 
 from __future__ import annotations
