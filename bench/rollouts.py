@@ -35,6 +35,7 @@ node process and QEMU: the evidence of what bounds it under TCG.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 import uuid
@@ -48,6 +49,7 @@ import aiohttp
 
 from aenv.agent.envd import ENVD_PORT
 
+from .client import NodeClient
 from .context import Context, Sandboxes, bounded, host_busy_ticks
 from .node import BenchError
 from .probe import Probe
@@ -60,6 +62,7 @@ TOOL_CALLS = 8
 ALONE_ROUNDS = 4
 REWARD = "/tmp/reward.txt"
 T = TypeVar("T")
+CONNECTIONS = 64  # the harness client's, as `NodeClient` has by default
 PROBED = ("/health", "/sandboxes")  # the node API while the rollouts run: its loop, and a listing
 
 
@@ -199,18 +202,25 @@ async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> Co
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     await ctx.host_quiet()
+    # A connection each, as `count` harness processes would have: with fewer, creates queue for
+    # one and time out (aiohttp's connect timeout covers that wait), which the node never saw.
+    client = NodeClient(ctx.node, max_connections=max(CONNECTIONS, count))
+    own = dataclasses.replace(ctx, client=client)
 
     async def worker() -> None:
         for _ in range(rounds):  # a failed rollout is counted, and the worker goes on with the next
             try:
-                await rollout(ctx, snapshot, latencies)
+                await rollout(own, snapshot, latencies)
             except Exception as exc:
                 errors[f"{type(exc).__name__}: {exc}"[:160]] += 1
 
-    async with Probe(ctx.node.url, ctx.node.api_key, PROBED) as probe:
-        started = time.perf_counter()
-        _, cpu = await CpuSplit.over(ctx.node.pid, asyncio.gather(*(worker() for _ in range(count))))
-        minutes = (time.perf_counter() - started) / 60
+    try:
+        async with Probe(ctx.node.url, ctx.node.api_key, PROBED) as probe:
+            started = time.perf_counter()
+            _, cpu = await CpuSplit.over(ctx.node.pid, asyncio.gather(*(worker() for _ in range(count))))
+            minutes = (time.perf_counter() - started) / 60
+    finally:
+        await client.aclose()
     failed = errors.total()
     return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies, errors, cpu)
 
