@@ -18,15 +18,17 @@ Measured here (quick, 2 cores, TCG): 1 rollout alone 88/min, tool call p50 26 ms
 none failed; fan-out of 100 38.8 s against 35.9 s for as many bare restores each running a
 command (1.08x); reset 485 ms against a parked resume's 53 ms (9.2x); a rollout that resets its
 sandbox 501 ms against 698 ms for one that creates and kills (0.72x).
-Full mode (2 rounds per worker; 2 cores, TCG, the host shared): 1 alone 65/min, tool call p50
-32 ms, p99 595 ms; 16 at once 57/min, p99 8.8 s (14.8x); 64 at once 43/min, p99 41 s (69x);
-256 at once did not all complete (192 failed, cause not recorded then: the row now says); fan-out
-of 100 0.97x; reset 483 ms against a parked resume's 50 ms (9.7x); reuse 0.66x. Node API p99
-throughout (`bench.probe`): 47-66 ms alone, 145-185 ms under 16-256 rollouts (max 579 ms).
-py-spy of the node meanwhile: its event loop 52 % busy, 19 % of it making pool networks (7 % of
-that parsing the host's address dump, which grew with the sandboxes: now cached and filtered,
-`aenv.network.egress.denied_host_addresses`), 2 % unlinking killed sandboxes' disks (now in a
-thread).
+Full mode (2 rounds per worker; 2 cores, TCG, the host shared), after the fixes below: 1 alone
+91/min, tool call p50 25 ms, p99 279 ms; 16 at once 131/min, p99 3.3 s (12x), node API p99
+9 ms; 64 at once 83/min, p99 22 s (80x), API p99 94 ms (max 238 ms); 256 at once (a
+connection each) 60/min, all 512 done, p50 8.5 s, p99 82 s (285x), API p99 1.2 s (max 5 s).
+Host CPU was 100 % busy in every concurrent run, the node process 4-8 % of it: the rest is
+QEMU's, translating (TCG). Fan-out of 100 0.77-0.92x; reset 466-491 ms against a parked
+resume's 49-55 ms (8.4-10x); reuse 0.65-0.67x. Before the fixes the API p99 was 145-185 ms
+at 16-256 (py-spy: the node's loop 52 % busy, 19 % of it making pool networks, 7 % of that
+parsing the host's address dump, which grew with the sandboxes: now cached and filtered,
+`aenv.network.egress.denied_host_addresses`; 2 % unlinking killed sandboxes' disks, now in a
+thread). At 256 the loop still makes every pool network itself (17 % of it at 64).
 
 Each concurrent row's note gives the node API's p99 and how the host's CPU split between the
 node process and QEMU: the evidence of what bounds it under TCG.
