@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import secrets
@@ -244,10 +245,13 @@ def test_the_python_sdk_through_a_gateway_uses_every_node(cluster: Cluster) -> N
     assert Sandbox.list(query=mine).next_items() == []
 
 
-def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(cluster: Cluster) -> None:
+def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     from e2b import Sandbox
 
     from aenv import rollouts
+    from aenv.cli import main
 
     key = uuid.uuid4().hex
     group = rollouts.fan_out(
@@ -269,6 +273,26 @@ def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(clus
         assert sandbox.files.read("/home/user/kept.txt") == "at the checkpoint"
         assert [c["name"] for c in rollouts.checkpoints(sandbox)] == ["start"]
         assert cluster.node_of(sandbox.sandbox_id) == homes[sandbox.sandbox_id]
+
+        # The CLI through the other gateway: its fan-out with the key finds the same sandboxes.
+        monkeypatch.setenv("AENV_URL", cluster.gateways[1].url)
+        monkeypatch.setenv("AENV_API_KEY", cluster.key)
+        capsys.readouterr()
+        assert main(["fanout", "base", "-n", str(2 * NODES), "--key", key, "-o", "json"]) == 0
+        listed = [r["sandbox"]["sandboxID"] for r in json.loads(capsys.readouterr().out)]
+        assert listed == [s.sandbox_id for s in group]
+        other = group[-1]
+        other.files.write("/home/user/cli.txt", "at the checkpoint")
+        assert main(["checkpoint", "create", other.sandbox_id, "--name", "cli", "-o", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["name"] == "cli"
+        other.files.write("/home/user/cli.txt", "changed")
+        assert main(["reset", other.sandbox_id, "cli", "-o", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["sandboxID"] == other.sandbox_id
+        assert other.files.read("/home/user/cli.txt") == "at the checkpoint"
+        assert main(["checkpoint", "rm", other.sandbox_id, "cli", "-o", "json"]) == 0
+        capsys.readouterr()
+        assert main(["checkpoint", "ls", other.sandbox_id, "-o", "json"]) == 0
+        assert json.loads(capsys.readouterr().out) == []
     finally:
         for sandbox in group:
             if isinstance(sandbox, Sandbox):

@@ -17,6 +17,8 @@ garbage), `warm` (warm VMs for `warm_pool`), `clones` (restore and capture), ove
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,8 @@ from .warm import WarmVMs
 from .warm_pool import WarmPool
 
 __all__ = ["EngineError", "GarbageReport", "GuestInit", "SandboxState", "SandboxVM", "SnapshotEngine"]
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotEngine:
@@ -99,13 +103,13 @@ class SnapshotEngine:
         # Off unless asked for: without it, every pause ends the QEMU process at once.
         self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0), events)
         self.parked = self.pauses.lot
-        self.handover = Handover(self.host, durable_pauses, events, describe)
+        self.checkpoints = Checkpoints(self.host, clones)
+        self.handover = Handover(self.host, durable_pauses, events, describe, self.checkpoints.carried)
         self.pending = PendingSnapshots(self.host, repository.pending_dir(), events)
         self.lifecycle = Lifecycle(
             self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
         )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
-        self.checkpoints = Checkpoints(self.host, clones)
 
     def stop_within(self, seconds: float) -> None:
         """The node stops: from now on its waits for the store end `seconds` from now (`StopDeadline`)."""
@@ -195,13 +199,20 @@ class SnapshotEngine:
 
     async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
         """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
-        return await self.handover.take_over(self.lifecycle.start, pause, init, policy)
+        sandbox = await self.handover.take_over(self.lifecycle.start, pause, init, policy)
+        self.checkpoints.left_behind(sandbox.sandbox_id, pause.metadata)
+        return sandbox
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         await self.lifecycle.kill(sandbox)
+        ended = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
+        try:
+            await asyncio.to_thread(self.recovery.remove_sealed_layers, ended, self.pending.layers())
+        except Exception:  # the sandbox is gone either way; the collector removes them later
+            log.exception("removing the sealed disk layers of sandbox %s failed", ended.sandbox_id)
 
     async def checkpoint(self, sandbox: SandboxVM, name: str | None) -> Checkpoint:
         return await self.checkpoints.create(sandbox, name)

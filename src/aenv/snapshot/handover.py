@@ -52,6 +52,8 @@ PAUSED_ON = "aenv.paused-on"  # metadata of a pause snapshot: the node it was pa
 Start = Callable[[str, str, GuestInit, EgressPolicy], Awaitable[SandboxVM]]
 # The metadata a sandbox's pause snapshot carries to the node taking it over (its id -> them).
 Describe = Callable[[str], dict[str, str]]
+# What a pause says of the sandbox's checkpoints that stay on its node (sandbox id, node) → metadata.
+Carried = Callable[[str, str], dict[str, str]]
 
 
 def pause_alias(sandbox_id: str) -> str:
@@ -103,11 +105,14 @@ class Handover:
         enabled: bool,
         events: EventBus | None = None,
         describe: Describe | None = None,
+        carried: Carried | None = None,
     ):
         self.host = host
         self.enabled = enabled
         # The sandbox's description carried by its pause snapshot (the node's record of it).
         self.describe: Describe = describe or (lambda sandbox_id: {})
+        # What it says of the sandbox's checkpoints, which stay here (`aenv.snapshot.checkpoints`).
+        self.carried: Carried = carried or (lambda sandbox_id, node: {})
         # Told `PauseDurable` when a pause is committed, so the node can report it as durable.
         self.events = events or EventBus()
         self.events.subscribe(PauseSaved, lambda saved: self.paused(saved.state, saved.origin))
@@ -123,7 +128,12 @@ class Handover:
         """The pause is on this node's disk: commit it to the repository in the background."""
         if not self.enabled or state.durable is not None:
             return
-        metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id, PAUSED_ON: self.node}
+        metadata = {
+            **self.describe(state.sandbox_id),
+            **self.carried(state.sandbox_id, self.node),
+            PAUSE_MARK: state.sandbox_id,
+            PAUSED_ON: self.node,
+        }
         upload = _Upload(dataclasses.replace(state, disk_layers=list(state.disk_layers)))
         upload.task = asyncio.create_task(self._upload(upload, state, origin, metadata))
         self._uploads[state.sandbox_id] = upload

@@ -253,7 +253,9 @@ class Lifecycle:
             kill_stray(host.layers, state.pid, state.disk_layers)
             SandboxNetwork(state.network_name).destroy()
         # A paused sandbox has no network: the name it had may belong to another sandbox by now.
-        host.layers.remove(state.disk_layers[-1])
+        # In a thread, as the directory: under 256 rollouts, unlinking tops on the event loop took
+        # 1.9 % of it (py-spy, bench `rollout`).
+        await asyncio.to_thread(host.layers.remove, state.disk_layers[-1])
         await asyncio.to_thread(shutil.rmtree, host.workdir(state.sandbox_id), ignore_errors=True)
         await host.stop.release(host.repository, state.snapshot_id, state.sandbox_id)
         await self.handover.retire(state, pause)
