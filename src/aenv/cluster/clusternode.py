@@ -117,6 +117,8 @@ class ClusterNode:
         self.scheduler = scheduler
         self.client = client
         self._live: tuple[float, list[NodeInfo]] | None = None  # when asked, and the answer
+        # The nodes a create must not go to, by its request (a gateway's: `aenv.cluster.volumes`).
+        self.excluded: Callable[[CreateRequest], Awaitable[list[str]]] | None = None
 
     def remote(self, info: NodeInfo) -> RemoteNode:
         return RemoteNode(info.node_id, info.address, self.client)
@@ -206,7 +208,7 @@ class ClusterNode:
         reservation and the create costs one scheduler call; an attempt that fails unbinds it,
         which frees the reservation too. A new id per attempt: a node that failed to answer may
         have created its sandbox."""
-        refused: list[str] = []
+        refused = [] if self.excluded is None else await self.excluded(request)
         failure: SandboxError | None = None
         # An id the caller chose (a fan-out's) is tried once: a node that failed to answer may
         # have made it, and the caller's retry finds it there by that id.

@@ -30,7 +30,7 @@ from ..api.proxy import (
     UpstreamPool,
     sandbox_error,
 )
-from ..api.server import NodeAPI
+from ..api.server import NodeAPI, Route
 from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
 from .auth import CLUSTER_SECRET_HEADER
@@ -40,6 +40,7 @@ from .model import NodeInfo
 from .protocols import Scheduler
 from .remote import cluster_client
 from .serving import listen_until_stopped, run
+from .volumes import VolumeRouting
 
 log = logging.getLogger("aenv.gateway")
 
@@ -125,6 +126,11 @@ class GatewayAPI(NodeAPI):
     def __init__(self, cluster: ClusterNode, *, domain: str, limits: dict[str, int], secret: str):
         super().__init__(cluster, domain=domain, limits=limits)
         self.proxy = GatewayProxy(self, cluster, domain.split(":", 1)[0] or None, secret)
+        self.volume_routing = VolumeRouting(cluster)
+        cluster.excluded = self.volume_routing.excluded  # a create goes where the volumes it mounts are
+
+    def routes(self) -> list[Route]:
+        return [*super().routes(), *self.volume_routing.routes()]
 
     async def get_sandbox(self, request: web.Request) -> web.Response:
         """The node's answer, with the id of the node that holds the sandbox as `clientID`."""

@@ -302,6 +302,7 @@ local function before(a, b)
 end
 local best, best_key = nil, nil
 local function consider(id)
+  if excluded[id] then return end  -- before reading it: a create that mounts volumes excludes all but one
   local f = redis.call('HMGET', prefix .. 'node:' .. id, 'status', 'heartbeat_at', 'capacity', 'usage',
     'cached')
   if f[1] and not excluded[id] then
