@@ -252,7 +252,8 @@ class VolumeRouting:
 
 def _unreachable(info: NodeInfo, exc: BaseException) -> Unavailable:
     return Unavailable(
-        f"the volume's node {info.node_id} at {info.address} is unreachable: {exc!r}", DOWN_CODE
+        f"the volume's node {info.node_id} at {info.address} is unreachable ({exc!r}): retry when it is back",
+        DOWN_CODE,
     )
 
 
