@@ -43,7 +43,7 @@ from .remote import node_error
 # A volume id as a gateway answers it: the node's own (`aenv.volumes.store.VOLUME_ID`), its node's id.
 CLUSTER_VOLUME_ID = re.compile(r"^(vol[a-z0-9]{20})-(" + ID_PATTERN.strip("^$") + ")$")
 DOWN_CODE = "volume_node_down"  # the `error_code` of a volume whose node cannot be reached now
-RETRY_AFTER = 5  # seconds a client is told to wait for a volume's node (a node's heartbeat is ~1 s)
+RETRY_AFTER = 5  # seconds a client is told to wait before it asks for a volume whose node is away again
 # Headers of a content call that go on to the node, and of the node's answer that come back.
 FORWARDED = ("Authorization", "Content-Type")
 RETURNED = ("Content-Type", "Content-Length")
