@@ -93,6 +93,9 @@ class ClusterNode(ClusterCatalog, ClusterBuilds):
     same fleet of nodes (`aenv.cluster.fleet`).
     """
 
+    # The nodes a create must not go to, by its request (a gateway's: `aenv.cluster.volumes`).
+    excluded: Callable[[CreateRequest], Awaitable[list[str]]] | None = None
+
     # -- sandbox to node ----------------------------------------------------------------------
 
     async def locate(self, sandbox_id: str) -> tuple[Binding, NodeInfo]:
@@ -169,7 +172,7 @@ class ClusterNode(ClusterCatalog, ClusterBuilds):
         reservation and the create costs one scheduler call; an attempt that fails unbinds it,
         which frees the reservation too. A new id per attempt: a node that failed to answer may
         have created its sandbox."""
-        refused: list[str] = []
+        refused = [] if self.excluded is None else await self.excluded(request)
         failure: SandboxError | None = None
         # An id the caller chose (a fan-out's) is tried once: a node that failed to answer may
         # have made it, and the caller's retry finds it there by that id.

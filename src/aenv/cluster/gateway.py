@@ -23,7 +23,7 @@ from aiohttp import web
 from ..api import schemas, views
 from ..api.fusion import Fusion
 from ..api.proxy import SANDBOX_NOT_FOUND, TRAFFIC_TOKEN_HEADER, ProxyRoute, SandboxProxy, sandbox_error
-from ..api.server import NodeAPI
+from ..api.server import NodeAPI, Route
 from ..api.upstream import Upstream
 from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
@@ -35,6 +35,7 @@ from .model import NodeInfo
 from .protocols import Scheduler
 from .remote import cluster_client
 from .serving import listen_until_stopped, run
+from .volumes import VolumeRouting
 
 log = logging.getLogger("aenv.gateway")
 
@@ -117,6 +118,11 @@ class GatewayAPI(NodeAPI):
     def __init__(self, cluster: ClusterNode, *, domain: str, limits: dict[str, int], secret: str):
         super().__init__(cluster, domain=domain, limits=limits)
         self.proxy = GatewayProxy(self, cluster, domain.split(":", 1)[0] or None, secret)
+        self.volume_routing = VolumeRouting(cluster)
+        cluster.excluded = self.volume_routing.excluded  # a create goes where the volumes it mounts are
+
+    def routes(self) -> list[Route]:
+        return [*super().routes(), *self.volume_routing.routes()]
 
     async def get_sandbox(self, request: web.Request) -> web.Response:
         """The node's answer, with the id of the node that holds the sandbox as `clientID`."""
