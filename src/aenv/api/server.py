@@ -38,6 +38,7 @@ from ..orchestrator.errors import (
     InvalidRequest,
     NotFound,
     OperationFailed,
+    Overloaded,
     SandboxError,
     Unavailable,
 )
@@ -69,6 +70,7 @@ STATUS: dict[type[SandboxError], int] = {
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
+    Overloaded: 429,  # before Unavailable, of which it is a kind: the first match is the status
     Unavailable: 503,
     InsufficientStorage: 507,
     BadGuest: 502,
@@ -115,7 +117,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except SandboxError as exc:
-        return error_response(status_of(exc), exc.message, exc.error_code)
+        response = error_response(status_of(exc), exc.message, exc.error_code)
+        if isinstance(exc, Overloaded):  # the E2B SDKs wait this long before they retry
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
