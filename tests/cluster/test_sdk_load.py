@@ -84,7 +84,7 @@ def _node(home: Path, slot_first: int, seed: Path, scheduler_url: str, secret: s
     return DevNode(
         home, slot_first=slot_first, slot_count=SLOT_COUNT, seed=seed, warm_pool_size=WARM_POOL,
         shutdown_action="kill", evict_interval=1, scheduler_url=scheduler_url, cluster_secret=secret,
-        heartbeat_interval=0.5, log_level=os.environ.get("LOADLOG", "INFO"),
+        heartbeat_interval=0.5,
     )  # fmt: skip
 
 
@@ -127,8 +127,6 @@ async def work(sandbox: AsyncSandbox, index: int) -> None:
     body = f"rollout {index} " * 64
     await sandbox.files.write(f"/home/user/r{index}.txt", body, request_timeout=REQUEST_TIMEOUT)
     assert await sandbox.files.read(f"/home/user/r{index}.txt", request_timeout=REQUEST_TIMEOUT) == body
-    counted = await sandbox.commands.run(f"wc -c < /home/user/r{index}.txt", **WAIT)
-    assert counted.stdout.strip() == str(len(body.encode())), counted
 
 
 @dataclass

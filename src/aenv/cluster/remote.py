@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from ..orchestrator.errors import OperationFailed, SandboxError, Unavailable
+from ..orchestrator.errors import OperationFailed, Overloaded, SandboxError, Unavailable, parse_retry_after
 from ..orchestrator.interface import (
     BuildTicket,
     CreateRequest,
@@ -90,7 +90,10 @@ class RemoteNode:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise Unavailable(f"node {self.node_id} at {self.address} is unreachable: {exc!r}") from exc
         if response.status >= 400:
-            raise node_error(response.status, content, self.node_id)
+            error = node_error(response.status, content, self.node_id)
+            if isinstance(error, Overloaded):  # the node's estimate of when it has room again
+                error.retry_after = parse_retry_after(response.headers.get("Retry-After"), error.retry_after)
+            raise error
         return content
 
     async def answers(self) -> bool:

@@ -54,6 +54,11 @@ class Overloaded(Unavailable):
     retry_after = 1  # seconds: E2B's clients take whole seconds; sandboxes end and free room that fast
 
 
+def parse_retry_after(value: str | None, default: int) -> int:
+    """A Retry-After of whole seconds as E2B's SDKs read it; `default` for anything else."""
+    return int(value) if value is not None and value.isascii() and value.isdecimal() else default
+
+
 class OperationFailed(SandboxError):
     """The node tried and failed; the state the API reports afterwards is the truth."""
 

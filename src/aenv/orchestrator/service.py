@@ -55,6 +55,7 @@ from .errors import (
 )
 from .interface import CreateRequest
 from .metrics import MetricsArchive, SampleWatch, between, merge, sandbox_metric
+from .starts import StartGate
 from .states import Op, State, Transition, transition
 from .store import SandboxRecord, SandboxStore
 
@@ -176,6 +177,7 @@ class Orchestrator:
             committed_mib=lambda: sum(s.record.memory_mb for s in self.sandboxes.values() if s.vm),
             free_slots=lambda: None if engine.networks is None else engine.networks.available,
         )
+        self.starts = StartGate()  # creates under way at once, and how long the rest may wait
         # Sandboxes whose VM died under them, newest last: a lookup says why they are gone.
         self.lost: dict[str, str] = {}
         self._watchers: dict[int, asyncio.Task[None]] = {}  # by id() of the SandboxVM they watch
@@ -385,6 +387,7 @@ class Orchestrator:
         # A warm VM of the template has its network already.
         networks = 0 if self.engine.pool.ready(manifest.id) else 1
         self.admission.check_start("create a sandbox", manifest.machine.memory_mib, networks)
+        self.starts.check("create a sandbox")
         now = clock.now()
         record = SandboxRecord(
             sandbox_id=sandbox_id,
@@ -415,7 +418,7 @@ class Orchestrator:
         )
         sandbox = Sandbox(record)
         self.sandboxes[record.sandbox_id] = sandbox
-        async with sandbox.lock:
+        async with sandbox.lock, self.starts.turn():
             self.store.put(record)
             try:
                 with self._transition(sandbox, Op.START):
