@@ -111,13 +111,13 @@ async def tool_calls(ctx: Context, sandbox: dict[str, Any], latencies: list[floa
 
 
 async def _create(ctx: Context, snapshot: str) -> dict[str, Any]:
-    """A create from the snapshot; a node that is full (503) is asked again a moment later, as a
-    harness's creation limiter would (verifiers #1034)."""
+    """A create from the snapshot; a node that is full (429) or overloaded (503) is asked again a
+    moment later, as a harness's creation limiter would (verifiers #1034)."""
     for _ in range(600):
         try:
             return await ctx.client.create(snapshot)
         except BenchError as exc:
-            if exc.status != 503:
+            if exc.status not in (429, 503):
                 raise
             await asyncio.sleep(0.5)
     raise BenchError("the node stayed full for 5 minutes")

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from . import __version__, logs, paths
 from .api import schemas
 from .api.fusion import Fusion
-from .api.runner import APIRunner
+from .api.runner import BACKLOG, APIRunner
 from .api.server import NodeAPI
 from .cluster.membership import Membership
 from .cluster.peers import SchedulerPeers
@@ -194,7 +194,9 @@ class Node:
             auto_decompress=False,
         )
         await self.runner.setup()
-        await web.TCPSite(self.runner, settings.host, settings.port, reuse_address=True).start()
+        await web.TCPSite(
+            self.runner, settings.host, settings.port, reuse_address=True, backlog=BACKLOG
+        ).start()
         log.info(
             "listening on http://%s (template %s = %s, %d sandboxes restored) after %.1f s; "
             "E2B SDK: E2B_API_URL=E2B_SANDBOX_URL=http://%s E2B_API_KEY=<key>",

@@ -252,7 +252,8 @@ async def test_a_full_node_or_one_without_the_template_passes_the_create_on(clus
     cluster.nodes["nb"].templates["base1"] = BASE
     cluster.nodes["nb"].full = True
     full = await cluster.gateway.post("/sandboxes", json={"templateID": "base1"})
-    assert full.status_code == 503 and "full" in full.json()["message"]
+    assert full.status_code == 429 and "full" in full.json()["message"]  # E2B's "no room now"
+    assert full.headers["Retry-After"] == "1"
     assert set(cluster.scheduler.bound) == set(created)  # every failed attempt let go of its binding
 
 

@@ -33,6 +33,7 @@ from ..cluster.wire import node_route
 from ..orchestrator.errors import (
     InvalidRequest,
     NotFound,
+    Overloaded,
     SandboxError,
 )
 from ..orchestrator.ids import catalog_name
@@ -95,7 +96,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except SandboxError as exc:
-        return error_response(status_of(exc), exc.message, exc.error_code)
+        response = error_response(status_of(exc), exc.message, exc.error_code)
+        if isinstance(exc, Overloaded):  # the E2B SDKs wait this long before they retry
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

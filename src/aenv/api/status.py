@@ -11,6 +11,7 @@ from ..orchestrator.errors import (
     InvalidRequest,
     NotFound,
     OperationFailed,
+    Overloaded,
     SandboxError,
     Unavailable,
 )
@@ -20,6 +21,7 @@ STATUS: dict[type[SandboxError], int] = {
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
+    Overloaded: 429,  # before Unavailable, of which it is a kind: the first match is the status
     Unavailable: 503,
     InsufficientStorage: 507,
     BadGuest: 502,

@@ -65,7 +65,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..api.server import LIMITS_KEY, Handler, error_response, errors, parse
 from ..config import Settings
-from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
+from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, Overloaded, SandboxError, Unavailable
 from ..orchestrator.ids import catalog_name
 from ..telemetry import LATENCY_BUCKETS, Telemetry
 from .auth import CLUSTER_SECRET_HEADER, presents_secret
@@ -186,7 +186,7 @@ class ClusterScheduler:
                 f"sandbox {binding.sandbox_id} can only resume on node {binding.node_id}, where its "
                 "pause is (not in the shared repository), and that node is down, excluded or full"
             )
-        raise Unavailable(_no_room(await self.state.rooms(), request))
+        raise Overloaded(_no_room(await self.state.rooms(), request))
 
     async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         await self.state.bind(binding, observed=observed)

@@ -39,6 +39,7 @@ from .interface import CreateRequest
 from .launch import LaunchPlan, check_timeout, egress_policy, guest_init
 from .mounting import VOLUMES_MARK, VolumeMounts
 from .sandboxes import Sandbox, SandboxTable, parse_time
+from .starts import StartGate
 from .states import Op, State
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Lifecycle:
         self.history = history
         self.admission = admission
         self.counters = {"create_successes": 0, "create_failures": 0, "lost": 0}
+        self.starts = StartGate()  # creates under way at once, and how long the rest may wait
         self._watchers: dict[int, asyncio.Task[None]] = {}  # by id() of the SandboxVM they watch
 
     def timeout(self, requested: int | None) -> int:
@@ -100,10 +102,11 @@ class Lifecycle:
         # A warm VM of the template has its network already.
         networks = 0 if self.catalog.warm(manifest.id)[1] else 1
         self.admission.check_start("create a sandbox", manifest.machine.memory_mib, networks)
+        self.starts.check("create a sandbox")
         plan = LaunchPlan.create(request, sandbox_id, manifest, timeout)
         record = plan.record
         sandbox = self.table.add(record)
-        async with sandbox.lock:
+        async with sandbox.lock, self.starts.turn():
             try:
                 with self.table.transition(sandbox, Op.START):
                     vm = await self.engine.start(manifest.id, record.sandbox_id, plan.init, plan.policy)
