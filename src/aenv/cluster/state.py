@@ -1,5 +1,8 @@
 """The cluster's shared state in Redis: node registry, sandbox bindings, locality index, reservations.
 
+It stays one module over 600 lines: the key layout below and the Lua scripts that keep it are one
+contract, and each script reads keys that the others write.
+
 Nothing of it lives in a scheduler's memory, so any number of schedulers can serve the same
 cluster and a scheduler restart loses nothing. Every change that reads before it writes runs as
 one Lua script, atomic in Redis: two schedulers never both spend the same room on a node, and a
