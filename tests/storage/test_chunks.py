@@ -97,8 +97,7 @@ def test_a_corrupt_chunk_is_an_error_never_data(tmp_path: Path):
 def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path):
     leased = {"snap-a"}
     evicted: list[str] = []
-    cache = BlobCache(tmp_path / "cache", 3 * C, lambda: leased, recent_seconds=-1)
-    cache.on_evict = evicted.append
+    cache = BlobCache(tmp_path / "cache", 3 * C, lambda: leased, recent_seconds=-1, on_evict=evicted.append)
     path, existed = cache.get_partial("img", 16 * C, "snap-a")
     assert not existed and cache.is_partial("img") and path.stat().st_size == 16 * C
     assert cache.stats().used_bytes == 0  # a sparse file holds nothing yet

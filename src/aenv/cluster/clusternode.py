@@ -34,6 +34,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
+import aiohttp
+
 from ..orchestrator import fanout
 from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, SandboxError, Unavailable
 from ..orchestrator.ids import new_sandbox_id
@@ -43,9 +45,9 @@ from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
 from .builds import ClusterBuilds
 from .catalog import ClusterCatalog
-from .fleet import rendezvous
+from .fleet import NodeFleet, rendezvous
 from .model import Binding, NodeInfo, NodeState, Placement
-from .protocols import SandboxKilled
+from .protocols import SandboxKilled, Scheduler
 from .remote import RemoteNode
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ SHARE_MARGIN = 1.5  # a paged list first asks each of n nodes for this many time
 DISCARD_TIMEOUT = 30.0
 # Creates a fan-out through a gateway has under way at once, over all nodes (each node bounds its own).
 FAN_OUT_CONCURRENCY = 64
+# Which nodes a create must not go to, by its request, asked of the gateway's fleet.
+Exclusion = Callable[[NodeFleet, CreateRequest], Awaitable[list[str]]]
 
 
 def _started(record: SandboxRecord) -> datetime:
@@ -93,8 +97,12 @@ class ClusterNode(ClusterCatalog, ClusterBuilds):
     same fleet of nodes (`aenv.cluster.fleet`).
     """
 
-    # The nodes a create must not go to, by its request (a gateway's: `aenv.cluster.volumes`).
-    excluded: Callable[[CreateRequest], Awaitable[list[str]]] | None = None
+    def __init__(
+        self, scheduler: Scheduler, client: aiohttp.ClientSession, *, excluded: Exclusion | None = None
+    ):
+        super().__init__(scheduler, client)
+        # The nodes a create must not go to, by its request (a gateway's: `aenv.cluster.volumes`).
+        self._excluded = excluded
 
     # -- sandbox to node ----------------------------------------------------------------------
 
@@ -172,7 +180,7 @@ class ClusterNode(ClusterCatalog, ClusterBuilds):
         reservation and the create costs one scheduler call; an attempt that fails unbinds it,
         which frees the reservation too. A new id per attempt: a node that failed to answer may
         have created its sandbox."""
-        refused = [] if self.excluded is None else await self.excluded(request)
+        refused = [] if self._excluded is None else await self._excluded(self, request)
         failure: SandboxError | None = None
         # An id the caller chose (a fan-out's) is tried once: a node that failed to answer may
         # have made it, and the caller's retry finds it there by that id.

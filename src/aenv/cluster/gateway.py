@@ -35,7 +35,7 @@ from .model import NodeInfo
 from .protocols import Scheduler
 from .remote import cluster_client
 from .serving import listen_until_stopped, run
-from .volumes import VolumeRouting
+from .volumes import VolumeRouting, volume_exclusion
 
 log = logging.getLogger("aenv.gateway")
 
@@ -119,7 +119,6 @@ class GatewayAPI(NodeAPI):
         super().__init__(cluster, domain=domain, limits=limits)
         self.proxy = GatewayProxy(self, cluster, domain.split(":", 1)[0] or None, secret)
         self.volume_routing = VolumeRouting(cluster)
-        cluster.excluded = self.volume_routing.excluded  # a create goes where the volumes it mounts are
 
     def routes(self) -> list[Route]:
         return [*super().routes(), *self.volume_routing.routes()]
@@ -148,7 +147,7 @@ def gateway_app(scheduler: Scheduler, settings: Settings, api_key: str) -> web.A
     if not settings.cluster_secret:
         raise ConfigError("aenv gateway needs the cluster secret its nodes take (AENV_CLUSTER_SECRET)")
     client = cluster_client(settings.cluster_secret)
-    cluster = ClusterNode(scheduler, client)
+    cluster = ClusterNode(scheduler, client, excluded=volume_exclusion)
     port = settings.gateway_addr.rsplit(":", 1)[1]
     domain = settings.domain or f"localhost:{port}"
     api = GatewayAPI(cluster, domain=domain, limits=schemas.limits(settings), secret=settings.cluster_secret)

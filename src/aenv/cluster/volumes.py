@@ -36,8 +36,7 @@ from ..api.server import Handler, error_response, parse
 from ..api.volumes import CHUNK, CONTENT_PREFIX, CONTENT_ROUTES, VolumeAPI
 from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
 from ..orchestrator.interface import CreateRequest
-from .clusternode import ClusterNode
-from .fleet import rendezvous
+from .fleet import NodeFleet, rendezvous
 from .model import ID_PATTERN, NodeInfo, NodeState
 from .remote import node_error
 
@@ -70,12 +69,17 @@ def retryable(handler: Handler) -> Handler:
     return answer
 
 
-class VolumeRouting:
-    """The volume API of a gateway over `cluster`'s nodes (each node's own `aenv.api.volumes`)."""
+async def volume_exclusion(fleet: NodeFleet, request: CreateRequest) -> list[str]:
+    """The gateway's placement rule for `ClusterNode`: a create goes where the volumes it mounts are."""
+    return await VolumeRouting(fleet).excluded(request)
 
-    def __init__(self, cluster: ClusterNode):
-        self.cluster = cluster
-        self.client = cluster.client  # carries the cluster secret
+
+class VolumeRouting:
+    """The volume API of a gateway over `fleet`'s nodes (each node's own `aenv.api.volumes`)."""
+
+    def __init__(self, fleet: NodeFleet):
+        self.fleet = fleet
+        self.client = fleet.client  # carries the cluster secret
 
     def routes(self) -> list[tuple[str, str, Handler]]:
         content = CONTENT_PREFIX + "{volumeID}"
@@ -113,15 +117,15 @@ class VolumeRouting:
         if match is None:
             raise NotFound(f"volume {volume_id} not found")
         local, node_id = match.groups()
-        info = next((n for n in await self.cluster.live_nodes() if n.node_id == node_id), None)
+        info = next((n for n in await self.fleet.live_nodes() if n.node_id == node_id), None)
         if info is None:
             try:
-                info = await self.cluster.scheduler.node(node_id)
+                info = await self.fleet.scheduler.node(node_id)
             except NotFound:
                 raise NotFound(
                     f"volume {volume_id} not found (its node {node_id} left the cluster)"
                 ) from None
-            if info.status == NodeState.DOWN and not await self.cluster.remote(info).answers():
+            if info.status == NodeState.DOWN and not await self.fleet.remote(info).answers():
                 raise Unavailable(
                     f"volume {volume_id} is on node {node_id}, which is down: retry when it is back",
                     DOWN_CODE,
@@ -130,13 +134,13 @@ class VolumeRouting:
 
     async def _node_volumes(self) -> tuple[list[tuple[NodeInfo, list[dict[str, Any]]]], list[str]]:
         """Every live node's volumes, and the ids of the nodes that could not say (down or failing)."""
-        live = await self.cluster.live_nodes()
+        live = await self.fleet.live_nodes()
         answers = await asyncio.gather(
             *(self._send(n, "GET", "/volumes") for n in live), return_exceptions=True
         )
         found, silent = (
             [],
-            [n.node_id for n in await self.cluster.scheduler.nodes() if n.status == NodeState.DOWN],
+            [n.node_id for n in await self.fleet.scheduler.nodes() if n.status == NodeState.DOWN],
         )
         for info, answer in zip(live, answers, strict=True):
             if isinstance(answer, SandboxError):
@@ -182,7 +186,7 @@ class VolumeRouting:
                 f"a sandbox mounts volumes of one node only, and these are on several: {where}"
             )
         (home,) = set(homes.values())
-        return [n.node_id for n in await self.cluster.scheduler.nodes() if n.node_id != home]
+        return [n.node_id for n in await self.fleet.scheduler.nodes() if n.node_id != home]
 
     # -- control plane ---------------------------------------------------------------------------
 
@@ -191,7 +195,7 @@ class VolumeRouting:
         body = await parse(request, NewVolume)
         if await self._holder(body.name) is not None:
             raise Conflict(f"a volume named '{body.name}' already exists")
-        up = [n for n in await self.cluster.live_nodes() if n.status == NodeState.UP]
+        up = [n for n in await self.fleet.live_nodes() if n.status == NodeState.UP]
         if not up:
             raise Unavailable("no node is up to hold a volume")
         info = rendezvous(f"volume/{body.name}", up)[0]

@@ -184,16 +184,21 @@ class SandboxNetwork:
 
     @classmethod
     async def create(
-        cls, name: str, slot: Slot | None = None, policy: EgressPolicy | None = None
+        cls,
+        name: str,
+        slot: Slot | None = None,
+        policy: EgressPolicy | None = None,
+        on_destroy: Callable[[Slot], None] | None = None,
     ) -> SandboxNetwork:
         """Create the namespace, bring up loopback and the tap with the gateway address.
 
         Without a slot and a policy the namespace has no way out at all (the guest reaches
         nothing but the node's own connections to it). With a slot and no policy the E2B
-        default applies: internet allowed.
+        default applies: internet allowed. A create that fails leaves the slot to its caller
+        (`on_destroy` is not told).
         """
         create_namespace(name)
-        network = cls(name, fresh=True)
+        network = cls(name, fresh=True, on_destroy=on_destroy)
         try:
             make_tap(name)
             async with route_socket(name) as ipr:
@@ -208,13 +213,14 @@ class SandboxNetwork:
             if slot is not None or policy is not None:
                 await network.apply_policy(policy or EgressPolicy())
         except BaseException:
-            network.destroy()
+            _remove(name, network.slot)
             raise
         log.debug("network namespace %s ready", name)
         return network
 
-    async def attach(self, slot: Slot) -> None:
-        """Give the namespace its uplink: a veth pair on `slot`, default route to the host.
+    async def attach(self, slot: Slot, on_destroy: Callable[[Slot], None] | None = None) -> None:
+        """Give the namespace its uplink: a veth pair on `slot`, default route to the host;
+        `on_destroy`, if given, is the slot's owner, told when the network is destroyed.
 
         The host end carries the namespace's name as its alias, which is how
         `cleanup_stale` finds the uplinks of namespaces a crashed node left behind.
@@ -244,6 +250,8 @@ class SandboxNetwork:
             delete_link(slot.host_ifname)
             raise
         self.slot = slot
+        if on_destroy is not None:
+            self.on_destroy = on_destroy
 
     async def apply_policy(self, policy: EgressPolicy) -> None:
         """Replace the namespace's egress rules by `policy` in one transaction.

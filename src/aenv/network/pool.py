@@ -123,12 +123,11 @@ class NetworkPool:
     async def _make(self) -> SandboxNetwork:
         slot = self._slots.take()
         try:
-            network = await SandboxNetwork.create(f"{self.prefix}{slot.index}", slot, self.idle_policy)
+            name = f"{self.prefix}{slot.index}"
+            return await SandboxNetwork.create(name, slot, self.idle_policy, self._returned)
         except BaseException:
             self._slots.give_back(slot)
             raise
-        network.on_destroy = self._returned
-        return network
 
     def _returned(self, slot: Slot) -> None:
         self._leased.pop(slot.index, None)
@@ -174,11 +173,10 @@ class NetworkPool:
         """Give a network made elsewhere (`SandboxNetwork.create(name)`) a slot of this pool."""
         slot = self._slots.take()
         try:
-            await network.attach(slot)
+            await network.attach(slot, self._returned)
         except BaseException:
             self._slots.give_back(slot)
             raise
-        network.on_destroy = self._returned
         self._leased[slot.index] = network
         await network.apply_policy(policy or self.idle_policy)
         return network

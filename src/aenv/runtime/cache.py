@@ -63,12 +63,13 @@ class BlobCache:
     """Files named by key under ``root``, filled on a miss, evicted LRU when over capacity.
 
     `in_use()` returns the snapshot ids this node holds leases on; entries owned by one of them
-    are never evicted.
+    are never evicted. `on_evict(key)` is told of each partial entry evicted (the FUSE server
+    that serves it, `aenv.runtime.lazyfs.LazyMount.withdraw`).
     """
 
     def __init__(
         self, root: Path, capacity_bytes: int, in_use: Callable[[], set[str]],
-        recent_seconds: float | None = None,
+        recent_seconds: float | None = None, on_evict: Callable[[str], None] | None = None,
     ) -> None:  # fmt: skip
         self.root = root
         self.capacity_bytes = capacity_bytes
@@ -79,7 +80,7 @@ class BlobCache:
         self._filling: dict[str, threading.Lock] = {}
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.hits = self.misses = self.evictions = self.fetched_bytes = 0
-        self.on_evict: Callable[[str], None] | None = None
+        self._on_evict = on_evict
         self._load()
 
     def path(self, key: str) -> Path:
@@ -231,8 +232,8 @@ class BlobCache:
             if used <= self.capacity_bytes:
                 break
             entry = self._entries.pop(key)
-            if entry.lazy and self.on_evict is not None:
-                self.on_evict(key)
+            if entry.lazy and self._on_evict is not None:
+                self._on_evict(key)
             self.path(key).unlink(missing_ok=True)
             used -= entry.size
             self.evictions += 1

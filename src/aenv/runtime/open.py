@@ -104,8 +104,11 @@ def open_storage(settings: Settings, node: str, peers: Peers | None = None) -> S
         repository: Repository = S3Repository(
             location, home / "staging", node=node, lease_ttl=settings.lease_ttl, create_bucket=True
         )
-        cache = BlobCache(home / "cache", settings.cache_capacity_mib << 20, repository.local_leases)
-        lazy = _lazy_mount(settings, cache, location)
+        lazy = _lazy_mount(settings, home / "cache", location)
+        cache = BlobCache(
+            home / "cache", settings.cache_capacity_mib << 20, repository.local_leases,
+            on_evict=None if lazy is None else lazy.withdraw,
+        )  # fmt: skip
         source = _peer_source(settings, repository, peers) if settings.p2p else None
         runtime: RuntimeResolver | None = CachedRuntime(
             repository, LayerStore(layers_dir(home)), home / "runtime", cache, lazy, source
@@ -132,14 +135,15 @@ def _peer_source(settings: Settings, repository: Repository, peers: Peers | None
     return PeerSource(repository, peers, settings.cluster_secret, settings.api_key)
 
 
-def _lazy_mount(settings: Settings, cache: BlobCache, location: S3Location) -> LazyMount | None:
+def _lazy_mount(settings: Settings, cache_root: Path, location: S3Location) -> LazyMount | None:
     """The node's on-demand loading, mounted now: before the VMMs' root is built (it must be in
-    it), and so that a missing FUSE shows at start, not at the first cold start."""
+    it), and so that a missing FUSE shows at start, not at the first cold start. It serves the
+    partial entries of the runtime cache at `cache_root`."""
     from .lazyfs import LazyMount
 
     if not settings.lazy_loading:
         return None
-    lazy = LazyMount.for_home(settings.home_path, cache.root, location)
+    lazy = LazyMount.for_home(settings.home_path, cache_root, location)
     try:
         lazy.ensure()
     except OSError:

@@ -158,8 +158,6 @@ class CachedRuntime(LocalRuntime):
         # whose restore will record it: (digest, index).
         self._unprofiled: dict[str, list[tuple[str, ChunkIndex]]] = {}
         self._profiles_lock = threading.Lock()
-        if lazy is not None:
-            cache.on_evict = lazy.withdraw
 
     def _blob(self, digest: str, owner: str | None = None) -> Path:
         def fetch(dest: Path) -> None:
