@@ -119,6 +119,7 @@ class GatewayAPI(NodeAPI):
         super().__init__(cluster, domain=domain, limits=limits)
         self.proxy = GatewayProxy(self, cluster, domain.split(":", 1)[0] or None, secret)
         self.volume_routing = VolumeRouting(cluster)
+        self.scheduler = cluster.scheduler  # the nodes' records
 
     def routes(self) -> list[Route]:
         return [*super().routes(), *self.volume_routing.routes()]
@@ -135,10 +136,10 @@ class GatewayAPI(NodeAPI):
         return [views.listed(r) | {"clientID": node_id} for r, node_id in await self.node.list_placed(query)]
 
     async def list_nodes(self, request: web.Request) -> web.Response:
-        return web.json_response([node_view(n) for n in await self.node.scheduler.nodes()])
+        return web.json_response([node_view(n) for n in await self.scheduler.nodes()])
 
     async def get_node(self, request: web.Request) -> web.Response:
-        return web.json_response(node_view(await self.node.scheduler.node(request.match_info["nodeID"])))
+        return web.json_response(node_view(await self.scheduler.node(request.match_info["nodeID"])))
 
 
 def gateway_app(scheduler: Scheduler, settings: Settings, api_key: str) -> web.Application:

@@ -36,8 +36,9 @@ from typing import Protocol
 from .. import __version__
 from ..config import Settings
 from ..events import EventBus, SandboxChanged
-from ..orchestrator.admission import free_disk_mib
+from ..orchestrator.admission import Admission, free_disk_mib
 from ..orchestrator.errors import Conflict, NotFound, SandboxError
+from ..orchestrator.sandboxes import SandboxTable
 from ..orchestrator.service import Orchestrator
 from ..orchestrator.states import State
 from ..repository.contract import Repository
@@ -81,18 +82,29 @@ class NodeSource(Protocol):
 
 
 class OrchestratorSource:
-    """`NodeSource` of this node process: its orchestrator's sandboxes and its repository."""
+    """`NodeSource` of this node process: its sandboxes (`table`), their room (`admission`), its
+    repository, and the orchestrator for the operations it asks for."""
 
-    def __init__(self, orchestrator: Orchestrator, repository: Repository, node_id: str):
+    def __init__(
+        self,
+        settings: Settings,
+        orchestrator: Orchestrator,
+        table: SandboxTable,
+        admission: Admission,
+        repository: Repository,
+        node_id: str,
+    ):
+        self.settings = settings
         self.orchestrator = orchestrator
+        self.table = table
+        self.admission = admission
         self.repository = repository
         self.node_id = node_id
-        self.settings = orchestrator.settings
 
     def report(self) -> NodeReport:
-        sandboxes = list(self.orchestrator.sandboxes.values())
+        sandboxes = self.table.held()
         running = [s.record for s in sandboxes if s.vm is not None]
-        admission = self.orchestrator.admission
+        admission = self.admission
         free = free_disk_mib(self.settings.home_path) - self.settings.disk_reserve_mib
         return NodeReport(
             usage=NodeUsage(
@@ -128,7 +140,7 @@ class OrchestratorSource:
             log.warning("could not check for paused sandboxes taken over elsewhere", exc_info=True)
 
     async def kill(self, sandbox_id: str) -> None:
-        if (sandbox := self.orchestrator.sandboxes.get(sandbox_id)) is None:
+        if (sandbox := self.table.find(sandbox_id)) is None:
             return
         with contextlib.suppress(NotFound):  # gone meanwhile
             await self.orchestrator.kill(sandbox)
@@ -172,7 +184,9 @@ class Membership:
         if not settings.node_addr and settings.host in ("0.0.0.0", "::", "[::]"):
             log.warning("the node advertises %s, which other hosts cannot reach: set AENV_NODE_ADDR", address)
         client = SchedulerClient(settings.scheduler_url, settings.cluster_secret)
-        source = OrchestratorSource(orchestrator, repository, node_id)
+        source = OrchestratorSource(
+            settings, orchestrator, orchestrator.table, orchestrator.admission, repository, node_id
+        )
         membership = cls(client, source, node_id, address, interval=settings.heartbeat_interval)
         events.subscribe(SandboxChanged, lambda changed: membership.changed(changed.sandbox_id))
         return membership

@@ -99,6 +99,7 @@ class LocalNode:
         self.housekeeper = housekeeper
         self.node_id = node_id
         self._catalog = orchestrator.catalog
+        self._table = orchestrator.table
         settings, engine = orchestrator.settings, orchestrator.engine
         self.builds = TemplateBuilds(
             settings.home_path / "templates", engine.repository, engine.templates, engine.layers,
@@ -122,7 +123,7 @@ class LocalNode:
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
         """Matching sandboxes by start time (newest first unless `order` is asc), then by id."""
-        found = [s.record for s in self.orchestrator.sandboxes.values() if matches(s.record, query)]
+        found = [s.record for s in self._table.held() if matches(s.record, query)]
         found.sort(key=lambda r: r.sandbox_id)
         found.sort(key=_started, reverse=query.order == "desc")
         return query.page(found)
@@ -318,7 +319,7 @@ class LocalNode:
             merged = await asyncio.to_thread(merge.saved_bytes, self.orchestrator.vm_pids())
         return NodeStatus(
             node_id=self.node_id,
-            records=[s.record for s in self.orchestrator.sandboxes.values()],
+            records=[s.record for s in self._table.held()],
             create_successes=self.orchestrator.counters["create_successes"],
             create_failures=self.orchestrator.counters["create_failures"],
             lost=self.orchestrator.counters["lost"],

@@ -75,6 +75,14 @@ class SandboxTable:
             raise NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
         return sandbox
 
+    def held(self) -> list[Sandbox]:
+        """Every sandbox this node holds, in any state."""
+        return list(self.sandboxes.values())
+
+    def find(self, sandbox_id: str) -> Sandbox | None:
+        """The sandbox of exactly this id, in any state; None if this node holds none."""
+        return self.sandboxes.get(sandbox_id)
+
     def add(self, record: SandboxRecord) -> Sandbox:
         """A sandbox starting here (in `creating`): held and stored from now on."""
         sandbox = Sandbox(record)
