@@ -84,3 +84,16 @@ def test_the_graph_sees_relative_and_type_only_imports() -> None:
 
 def test_no_module_of_aenv_imports_itself_through_others() -> None:
     assert cycles(graph()) == []
+
+
+def test_the_snapshot_engine_imports_nothing_of_the_template_builds() -> None:
+    """Template builds sit above the engine: `aenv.template` drives the engine's template VMs
+    (`aenv.snapshot.templates.BuildVM`), and the engine knows no step, cache or build record."""
+    upward = {
+        (name, target)
+        for name, targets in graph().items()
+        if name.startswith("aenv.snapshot.")
+        for target in targets
+        if target.startswith("aenv.template")
+    }
+    assert upward == set()

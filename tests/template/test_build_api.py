@@ -29,8 +29,8 @@ from aenv.orchestrator.local import LocalNode
 from aenv.repository.manifest import RuntimeContext
 from aenv.repository.posix import SnapshotRepository
 from aenv.runtime.layers import LayerStore
-from aenv.snapshot.templates import Stage, StageFailed, StepBuild, TemplateBuilder
 from aenv.template.builds import TemplateBuilds
+from aenv.template.stages import Stage, StageFailed, StepBuild, StepBuilder
 from aenv.template.stepcache import CachedStep, StepCache
 from aenv.template.steps import BuildRequest, BuildState, Step, step_key
 from tests.envd.conftest import free_port
@@ -48,7 +48,7 @@ class FakeRepository(SnapshotRepository):
 
 
 class FakeBuilder:
-    """`build_steps` without a VM: logs each stage, then fails the last one."""
+    """`StepBuilder.build_steps` without a VM: logs each stage, then fails the last one."""
 
     def __init__(self) -> None:
         self.plans: list[StepBuild] = []
@@ -64,15 +64,10 @@ class FakeBuilder:
 async def serving(tmp_path: Path) -> AsyncIterator[tuple[str, FakeBuilder]]:
     """A node API on a free port, in the test's own event loop."""
     builder = FakeBuilder()
-    engine = SimpleNamespace(
-        repository=FakeRepository(tmp_path / "repository"),
-        layers=LayerStore(tmp_path / "layers"),
-        templates=builder,
-    )
+    repository, layers = FakeRepository(tmp_path / "repository"), LayerStore(tmp_path / "layers")
+    builds = TemplateBuilds(tmp_path / "templates", repository, builder, layers, events=EventBus())  # type: ignore[arg-type]
     settings = Settings(home_path=tmp_path)
-    node = LocalNode(
-        SimpleNamespace(engine=engine, settings=settings, events=EventBus(), catalog=None), None, "node-1"
-    )  # type: ignore[arg-type]
+    node = LocalNode(SimpleNamespace(catalog=None, table=None), None, "node-1", builds=builds)  # type: ignore[arg-type]
     api = NodeAPI(node, domain="", limits=schemas.limits(settings))
     runner = web.AppRunner(api.app(KEY))
     await runner.setup()
@@ -164,7 +159,7 @@ def test_a_restart_marks_unfinished_builds_failed(tmp_path: Path) -> None:
 
 def test_cached_prefix_stops_at_the_first_forced_or_missing_step(tmp_path: Path) -> None:
     layers = {"b", "l1", "l2"}
-    builder = TemplateBuilder(SimpleNamespace(layers=SimpleNamespace(exists=layers.__contains__)), None)  # type: ignore[arg-type]
+    builder = StepBuilder(None, layers.__contains__)  # type: ignore[arg-type]
     cache = StepCache(tmp_path)
     steps = [Step(type="RUN", args=[f"echo {n}"]) for n in range(3)]
     stages = [Stage(str(n + 1), step, None) for n, step in enumerate(steps)]  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from ..snapshot.pending import PENDING_MARK
 from ..telemetry import Observe
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
+from ..template.stages import StepBuilder
 from ..template.steps import BuildRequest, BuildStart
 from ..vmm import merge
 from . import fanout
@@ -85,6 +86,16 @@ def _hidden(manifest: SnapshotManifest) -> bool:
     return any(mark in manifest.metadata for mark in HIDDEN_MARKS)
 
 
+def _template_builds(orchestrator: Orchestrator, observe: Observe | None) -> TemplateBuilds:
+    """The node's template builds: their records under its home, their VMs its engine's."""
+    settings, engine = orchestrator.settings, orchestrator.engine
+    steps = StepBuilder(engine.templates, engine.layers.exists)
+    return TemplateBuilds(
+        settings.home_path / "templates", engine.repository, steps, engine.layers,
+        max_concurrent=settings.template_builds, events=orchestrator.events, observe=observe,
+    )  # fmt: skip
+
+
 class LocalNode:
     """`NodeService` and `RouteService` for the sandboxes and catalog of this node process."""
 
@@ -94,17 +105,15 @@ class LocalNode:
         housekeeper: Housekeeper,
         node_id: str,
         observe: Observe | None = None,
+        builds: TemplateBuilds | None = None,
     ):
+        """`builds`: the template builds it serves; by default this node's, on its engine."""
         self.orchestrator = orchestrator
         self.housekeeper = housekeeper
         self.node_id = node_id
         self._catalog = orchestrator.catalog
         self._table = orchestrator.table
-        settings, engine = orchestrator.settings, orchestrator.engine
-        self.builds = TemplateBuilds(
-            settings.home_path / "templates", engine.repository, engine.templates, engine.layers,
-            max_concurrent=settings.template_builds, events=orchestrator.events, observe=observe,
-        )  # fmt: skip
+        self.builds = builds or _template_builds(orchestrator, observe)
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:
         return self.orchestrator.get(sandbox_id)

@@ -8,7 +8,8 @@ stream prefix spliced with the sandbox's device sections. Disks are qcow2 chains
 (`aenv.runtime.layers`): a snapshot seals the sandbox's writable layer, so it costs no copy.
 
 Each concern lives in its own module and this class only wires them together and keeps the
-public surface callers use: `templates` (builds), `lifecycle` (start, resume, snapshot, fork,
+public surface callers use: `templates` (template VMs: the node's own template, and the VM a
+user build runs its steps in, `aenv.template.stages`), `lifecycle` (start, resume, snapshot, fork,
 kill), `pausing` (pause and parked processes), `recovery` (adoption after a restart, leftovers,
 garbage), `warm` (warm VMs for `warm_pool`), `clones` (restore and capture), over one `Host`
 (repository, runtime resolver, layers, accelerator, networks, directories). QMP sequences are

@@ -1,4 +1,4 @@
-"""Template builds: one cold boot whose RAM becomes the immutable memory image of every clone.
+"""Template VMs: one cold boot whose RAM becomes the immutable memory image of every clone.
 
 The guest boots with its RAM in a shared file in the repository's staging area, runs the
 template's start command until its ready check passes, and is stopped and saved without RAM
@@ -6,23 +6,27 @@ template's start command until its ready check passes, and is stopped and saved 
 and the device sections become blobs too, the boot disk's writable layer is sealed, and the
 manifest is committed last: an interrupted build leaves no template behind.
 
-User builds (`build_steps`, the E2B template build API) boot the same way on a given layer
-chain (an image's root filesystem, or another template's disk), on a network with the node's
-egress (so that steps can install packages), and first run their steps in the guest. After
-each step the disk's top layer is frozen under a new one while the guest runs
-(`migration.seal_disk`) and recorded in the step cache, so a rebuild boots on the last layer
-whose steps are unchanged and runs only the rest.
+`TemplateBuilder.build` is the node's own template (`base`, from the guest artifacts).
+`TemplateBuilder.vm` is the same VM for a user build (`aenv.template.stages` runs its steps in
+it, the E2B template build API above that): it boots on a given layer chain (an image's root
+filesystem, or another template's disk), on a network with the node's egress, so that steps
+can install packages; after each step the disk's top layer is frozen under a new one while the
+guest runs (`BuildVM.seal`, `migration.seal_disk`), so the build's cache can boot a rebuild on
+the last layer whose steps are unchanged. This package imports nothing of `aenv.template`.
+
+Start and ready commands run here too (`start_runtime`): after a template's boot, and after a
+sandbox's boot from its disk (`aenv.snapshot.lifecycle`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from ..guest.artifacts import GuestArtifacts
@@ -30,9 +34,6 @@ from ..network.egress import EgressPolicy
 from ..repository.files import file_digest
 from ..repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from ..runtime.layers import new_layer_id
-from ..template.runner import LOGIN_SHELL, LineLog, Log, StepRunner, sync
-from ..template.stepcache import CachedStep, StepCache
-from ..template.steps import BuildState, Step, step_key
 from ..vmm import devstate, migration
 from ..vmm.accel import default_vcpus
 from ..vmm.envd_link import EnvdLink
@@ -47,54 +48,97 @@ DEFAULT_READY_CMD = "sleep 20"  # E2B's ready command for a start command given 
 READY_RETRY_INTERVAL = 2.0  # seconds between ready command attempts, as E2B
 READY_TIMEOUT = 300.0  # seconds the ready command has to succeed, as E2B
 START_SCRIPT = 'if [ -x /bin/bash ]; then /bin/bash -l -c "$1"; else /bin/sh -l -c "$1"; fi; echo $? > "$2"'
-# $1: MiB that must be free on /; grows the filesystem to its device when they are not.
-FREE_DISK_SCRIPT = """
-free() { df -Pk / | awk 'NR==2 {print int($4 / 1024)}'; }
-[ "$(free)" -ge "$1" ] && { echo "$(free) MiB free on /"; exit 0; }
-command -v resize2fs >/dev/null || { echo "growing / needs resize2fs (e2fsprogs) in the image"; exit 1; }
-device=$(awk '$2 == "/" {print $1}' /proc/mounts | tail -n 1)
-resize2fs "$device" 2>&1 | tail -n 1
-[ "$(free)" -ge "$1" ] && { echo "$(free) MiB free on / after growing it"; exit 0; }
-echo "only $(free) MiB free on / after growing it"; exit 1
-"""
-StageRun = Callable[[StepRunner, BuildState], Awaitable[BuildState]]
+# Start and ready commands run in a login shell, as E2B runs them (`bash -l -c`).
+LOGIN_SHELL = [
+    "/bin/sh", "-c", 'if [ -x /bin/bash ]; then exec /bin/bash -l -c "$1"; fi; exec /bin/sh -l -c "$1"', "sh",
+]  # fmt: skip
+Log = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One cached unit of a user build: the base step's provisioning or a user step."""
+class LineLog:
+    """Turns a command's output chunks into log lines (called from envd's reader thread)."""
 
-    name: str  # as the SDK names steps: "base", "1", "2", ...
-    key: Step  # what the cache key is made of
-    run: StageRun
-    forced: bool = False
+    def __init__(self, log: Log):
+        self.log = log
+        self.partial = b""
 
+    def feed(self, chunk: bytes) -> None:
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        for line in lines:
+            self.log(line.decode(errors="replace").rstrip("\r"))
 
-@dataclass(frozen=True)
-class StepBuild:
-    """A user build as the VM side sees it: where it starts and what it runs."""
-
-    base: tuple[str, ...]  # sealed disk layers, bottom to top
-    state: BuildState  # ENV, USER and WORKDIR before the first stage
-    stages: list[Stage]
-    start_cmd: str | None = None
-    ready_cmd: str | None = None
-    vcpus: int | None = None
-    memory_mib: int = 512
-    min_free_disk_mib: int | None = None  # free space the template's root filesystem must have
-    metadata: dict[str, str] = field(default_factory=dict)
+    def flush(self) -> None:
+        if self.partial:
+            self.log(self.partial.decode(errors="replace"))
+            self.partial = b""
 
 
-class StageFailed(EngineError):
-    """A stage of a user build failed; `stage` names it as the SDK reports failed steps."""
+class SyncFailed(EngineError):
+    """The build VM could not write its files out before a layer was sealed."""
 
-    def __init__(self, stage: str, message: str):
-        super().__init__(message)
-        self.stage = stage
+
+async def sync(envd: EnvdLink) -> None:
+    """The build VM's writes on its disk, before a layer is sealed (envd's own route: no shell needed)."""
+    status, answer = await envd.post_json("/aenv/build/sync", {}, timeout=300)
+    if status >= 300:
+        raise SyncFailed(f"sync failed: {answer[:200]!r}")
+
+
+class BuildVM:
+    """A user build's VM (`TemplateBuilder.vm`): its guest, and the disk's layer chain as it grows."""
+
+    def __init__(
+        self, builder: TemplateBuilder, guest: GuestVM, staging: Path, chain: tuple[str, ...],
+        upper: str, shape: MachineShape,
+    ):  # fmt: skip
+        self._builder, self._layers = builder, builder.host.layers
+        self.guest: GuestVM | None = guest  # None once saved
+        self.chain = chain  # sealed layers, bottom to top
+        self.upper = upper  # the writable layer on top of them
+        self._staging, self._shape = staging, shape
+        self._node = "root"  # the writable layer's block node
+
+    @property
+    def envd(self) -> EnvdLink:
+        assert self.guest is not None, "the build VM was saved"
+        return self.guest.envd
+
+    async def seal(self) -> tuple[str, ...]:
+        """Freeze the writable layer under a new one while the guest runs (`sync` first); the chain
+        with it on top, which a later build can boot on."""
+        assert self.guest is not None, "the build VM was saved"
+        top = new_layer_id()
+        try:
+            await migration.seal_disk(self.guest.vm, self._node, self._layers.path(top), f"n{top}")
+        except BaseException:
+            self._layers.remove(top)
+            raise
+        self._layers.seal(self.upper)
+        self.chain = (*self.chain, self.upper)
+        self.upper, self._node = top, f"n{top}"
+        return self.chain
+
+    async def prepare(self, runtime: RuntimeContext, timeout: float, log: Log | None = None) -> None:
+        """The template's environment, and its start command run until the ready check passes."""
+        assert self.guest is not None, "the build VM was saved"
+        await self._builder._prepare(self.guest, runtime, timeout, log)
+
+    async def commit(
+        self, runtime: RuntimeContext, metadata: dict[str, str], alias: str | None = None
+    ) -> SnapshotManifest:
+        """Save the guest (the VM is gone afterwards) and commit the template."""
+        assert self.guest is not None, "the build VM was saved"
+        await self._builder._save(self.guest, self._staging)
+        self.guest = None
+        self._layers.seal(self.upper)
+        return await asyncio.to_thread(
+            self._builder._commit, self._staging, alias, (*self.chain, self.upper), runtime, metadata,
+            self._shape,
+        )  # fmt: skip
 
 
 class TemplateBuilder:
-    """Boots, prepares and commits templates from this node's guest artifacts."""
+    """Boots, prepares and commits template VMs from this node's guest artifacts."""
 
     def __init__(self, host: Host, artifacts: GuestArtifacts):
         self.host = host
@@ -110,131 +154,64 @@ class TemplateBuilder:
         metadata: dict[str, str] | None = None,
         ready_timeout: float = 300.0,
     ) -> SnapshotManifest:
-        """Boot a fresh guest, run the start command until the ready check passes, commit it."""
-        host, layers = self.host, self.host.layers
+        """Boot a fresh guest on the base image, run the start command until the ready check
+        passes, commit it."""
         runtime = runtime or RuntimeContext()
         started = time.monotonic()
-        staging = host.repository.staging_dir()
-        guest: GuestVM | None = None
-        upper: str | None = None
-        try:
-            shape = await self._machine(vcpus or default_vcpus(host.accel), memory_mib)
-            base = layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
-            upper = await layers.create_upper(base)
-            boot = await asyncio.to_thread(host.runtime.boot_files, shape)
-            config = guest_machine(
-                boot, layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
-                memory_mib=memory_mib, memory_mode=MemoryMode.SHARED_FILE, memory_path=staging / "memory.img",
-            )  # fmt: skip
-            guest = await boot_guest(config, staging / "vm", network_name=f"aenv-b{upper[-10:]}")
-            await self._prepare(guest, runtime, ready_timeout)
-            await self._save(guest, staging)
-            guest = None
-            layers.seal(upper)
-            manifest = await asyncio.to_thread(
-                self._commit, staging, alias, (base, upper), runtime, metadata or {}, shape
-            )
-        except BaseException:
-            if guest is not None:
-                await guest.destroy()
-            if upper is not None:
-                layers.remove(upper)
-            raise
-        finally:
-            host.repository.discard_staging(staging)
+        base = self.host.layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
+        async with self.vm((base,), vcpus=vcpus, memory_mib=memory_mib, egress=False) as build:
+            await build.prepare(runtime, ready_timeout)
+            manifest = await build.commit(runtime, metadata or {}, alias)
         log.info("template %s (%s) built in %.1f s", manifest.id, alias, time.monotonic() - started)
         return manifest
 
-    async def build_steps(
+    @contextlib.asynccontextmanager
+    async def vm(
         self,
-        plan: StepBuild,
-        cache: StepCache,
-        runner: Callable[[GuestVM], StepRunner],
-        say: Callable[[str, str], None],
-    ) -> SnapshotManifest:
-        """Run a user build's stages (cached ones skipped), finalize it and commit the template.
+        chain: tuple[str, ...],
+        *,
+        vcpus: int | None = None,
+        memory_mib: int = 512,
+        grow_mib: int | None = None,
+        egress: bool = True,
+    ) -> AsyncIterator[BuildVM]:
+        """A template VM booted on a new writable layer over `chain` (sealed layers, bottom to top),
+        the disk `grow_mib` MiB larger (room for its filesystem to grow into: sparse, it costs
+        nothing yet). With `egress`, on a network with the node's egress (E2B's default policy),
+        else on one without any way out.
 
-        `say(stage, message)` logs progress; a failed stage raises `StageFailed`. On failure
-        nothing is committed and no VM is left; layers of stages that passed stay cached.
+        Nothing is committed unless the caller does (`BuildVM.commit`); on failure no VM is left
+        and the writable layer goes, while the layers sealed on the way (`BuildVM.seal`) stay.
         """
         host, layers = self.host, self.host.layers
-        chain, state, first = self._cached_prefix(plan, cache, say)
         staging = host.repository.staging_dir()
-        guest: GuestVM | None = None
         upper = await layers.create_upper(chain[-1])
+        build: BuildVM | None = None
         try:
-            if plan.min_free_disk_mib:  # room to grow into at finalize (sparse: costs nothing yet)
-                await _enlarge(layers.path(upper), plan.min_free_disk_mib)
-            shape = await self._machine(plan.vcpus or default_vcpus(host.accel), plan.memory_mib)
+            if grow_mib:
+                await _enlarge(layers.path(upper), grow_mib)
+            shape = await self._machine(vcpus or default_vcpus(host.accel), memory_mib)
+            boot = await asyncio.to_thread(host.runtime.boot_files, shape)
             config = guest_machine(
-                host.runtime.boot_files(shape), layers.path(upper), accel=host.accel, vcpus=shape.vcpus,
-                memory_mib=shape.memory_mib, memory_mode=MemoryMode.SHARED_FILE,
-                memory_path=staging / "memory.img",
+                boot, layers.path(upper), accel=host.accel, vcpus=shape.vcpus, memory_mib=memory_mib,
+                memory_mode=MemoryMode.SHARED_FILE, memory_path=staging / "memory.img",
             )  # fmt: skip
-            try:
-                # the node's egress (E2B's default policy), so steps can fetch packages
-                network = await host.network(f"aenv-b{upper[-10:]}", EgressPolicy())
-                guest = await boot_guest(config, staging / "vm", network=network)
-                await guest.envd.init(GuestInit(default_user="root").payload())
-            except Exception as exc:
-                raise StageFailed("base", f"the build VM did not start: {exc}") from exc
-            node = "root"
-            for stage in plan.stages[first:]:
-                say(stage.name, describe(stage, plan))
-                try:
-                    state = await stage.run(runner(guest), state)
-                    await sync(guest.envd)
-                except Exception as exc:
-                    raise StageFailed(stage.name, str(exc)) from exc
-                top = new_layer_id()
-                try:
-                    await migration.seal_disk(guest.vm, node, layers.path(top), f"n{top}")
-                except BaseException:
-                    layers.remove(top)
-                    raise
-                layers.seal(upper)
-                chain = (*chain, upper)
-                cache.put(stage_key(chain[-2], stage), CachedStep(chain, state))
-                upper, node = top, f"n{top}"
-            runtime = RuntimeContext(
-                env_vars=state.env, workdir=state.workdir, user=state.user,
-                start_cmd=plan.start_cmd, ready_cmd=plan.ready_cmd,
-            )  # fmt: skip
-            say("finalize", "starting the template" if plan.start_cmd else "saving the template")
-            try:
-                if plan.min_free_disk_mib:
-                    await ensure_free_disk(
-                        guest.envd, plan.min_free_disk_mib, lambda line: say("finalize", line)
-                    )
-                await self._prepare(guest, runtime, READY_TIMEOUT, lambda line: say("finalize", line))
-            except Exception as exc:
-                raise StageFailed("finalize", str(exc)) from exc
-            await self._save(guest, staging)
-            guest = None
-            layers.seal(upper)
-            return await asyncio.to_thread(
-                self._commit, staging, None, (*chain, upper), runtime, plan.metadata, shape
-            )
+            name = f"aenv-b{upper[-10:]}"
+            if egress:
+                guest = await boot_guest(
+                    config, staging / "vm", network=await host.network(name, EgressPolicy())
+                )
+            else:
+                guest = await boot_guest(config, staging / "vm", network_name=name)
+            build = BuildVM(self, guest, staging, chain, upper, shape)
+            yield build
         except BaseException:
-            if guest is not None:
-                await guest.destroy()
-            layers.remove(upper)
+            if build is not None and build.guest is not None:
+                await build.guest.destroy()
+            layers.remove(build.upper if build is not None else upper)
             raise
         finally:
             host.repository.discard_staging(staging)
-
-    def _cached_prefix(
-        self, plan: StepBuild, cache: StepCache, say: Callable[[str, str], None]
-    ) -> tuple[tuple[str, ...], BuildState, int]:
-        """The layer chain and state after the longest run of cached, unforced first stages."""
-        chain, state = plan.base, plan.state
-        for index, stage in enumerate(plan.stages):
-            hit = None if stage.forced else cache.get(stage_key(chain[-1], stage), self.host.layers.exists)
-            if hit is None:
-                return chain, state, index
-            say(stage.name, f"CACHED {describe(stage, plan)}")
-            chain, state = hit.chain, hit.state
-        return chain, state, len(plan.stages)
 
     async def _save(self, guest: GuestVM, staging: Path) -> None:
         """Stop the guest once it is quiet and save its state without RAM; the VM is gone afterwards.
@@ -361,19 +338,6 @@ async def _enlarge(disk: Path, mib: int) -> None:
     await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True)
 
 
-async def ensure_free_disk(envd: EnvdLink, mib: int, log: Log) -> None:
-    """Grow the root filesystem onto its (enlarged) disk when it has less than `mib` MiB free.
-
-    As E2B's ``minFreeDiskMb``: best effort (an image without ``resize2fs`` keeps its size, and
-    the log says so), never shrinking.
-    """
-    captured: list[bytes] = []
-    argv = ["/bin/sh", "-c", FREE_DISK_SCRIPT, "sh", str(mib)]
-    code = await envd.execute(argv, timeout=300, on_output=captured.append)
-    output = b"".join(captured).decode(errors="replace").strip()
-    log(output if code == 0 else f"minFreeDiskMb {mib} not met: {output[-300:]}")
-
-
 def start_command(command: str, status: str) -> list[str]:
     """The start command through a login shell, its exit code written to `status` when it ends."""
     return ["/bin/sh", "-c", START_SCRIPT, "sh", command, status]
@@ -386,14 +350,3 @@ async def _check_started(envd: EnvdLink, command: str, status: str) -> None:
     text = b"".join(captured).decode(errors="replace").strip()
     if text.isdigit() and text != "0":
         raise EngineError(f"start command {command!r} exited with code {text} before the template was ready")
-
-
-def stage_key(parent: str, stage: Stage) -> str:
-    return step_key(parent, stage.key)
-
-
-def describe(stage: Stage, plan: StepBuild) -> str:
-    """A stage as build logs show it: ``[step 3/7] RUN make`` (the progress the CLI shows)."""
-    steps = sum(1 for s in plan.stages if s.name != "base")
-    where = "[base]" if stage.name == "base" else f"[step {stage.name}/{steps}]"
-    return f"{where} {stage.key.type} {' '.join(stage.key.args)[:200]}"

@@ -1,4 +1,7 @@
-"""User-built templates: E2B's build records, tags and build queue over the snapshot engine.
+"""User-built templates: E2B's build records, tags and build queue (`TemplateBuilds`).
+
+Each build's stages run in a template VM of the snapshot engine (`aenv.template.stages`); the
+wire is `aenv.api.templates`.
 
 A template is named like a repository alias and its ``templateID`` is that name, so every
 spelling the SDK uses (``name``, ``name:tag``, the ID) resolves. Each build gets a UUID (the
@@ -31,13 +34,13 @@ from aenv.repository.contract import Repository
 from aenv.repository.errors import RepositoryError, SnapshotNotFound
 from aenv.repository.manifest import RuntimeContext, SnapshotManifest
 from aenv.runtime.layers import LayerStore
-from aenv.snapshot.templates import Stage, StageFailed, StepBuild, TemplateBuilder
 from aenv.telemetry import Observe
 from aenv.template.disk import base_layer, base_layer_key
 from aenv.template.image import ImageError
 from aenv.template.reference import parse_reference
 from aenv.template.registry import Credentials
 from aenv.template.runner import StepRunner
+from aenv.template.stages import Stage, StageFailed, StepBuild, StepBuilder
 from aenv.template.stepcache import StepCache
 from aenv.template.steps import (
     DEFAULT_TAG,
@@ -117,7 +120,7 @@ class TemplateBuilds:
         self,
         root: Path,
         repository: Repository,
-        builder: TemplateBuilder,
+        builder: StepBuilder,
         layers: LayerStore,
         *,
         max_concurrent: int = 2,
@@ -296,7 +299,7 @@ class TemplateBuilds:
         return await self.builder.build_steps(
             plan,
             self.cache,
-            lambda guest: StepRunner(guest.envd, self.uploads, lambda line: say(_current(build), line)),
+            lambda envd: StepRunner(envd, self.uploads, lambda line: say(_current(build), line)),
             say,
         )
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
+from aenv.snapshot.templates import LineLog, Log
 from aenv.template.steps import (
     DEFAULT_USER,
     BuildState,
@@ -40,29 +40,6 @@ STEP_TIMEOUT = 3600.0  # seconds a RUN may take
 SHELL = ["/bin/sh", "-c", 'if [ -x /bin/bash ]; then exec /bin/bash -c "$1"; fi; exec /bin/sh -c "$1"', "sh"]
 # What a shell expands inside double quotes (E2B's ENV semantics); a value without any is kept as is.
 EXPANDED = re.compile(r"[$`\\]")
-# Start and ready commands run in a login shell, as E2B runs them (`bash -l -c`).
-LOGIN_SHELL = [
-    "/bin/sh", "-c", 'if [ -x /bin/bash ]; then exec /bin/bash -l -c "$1"; fi; exec /bin/sh -l -c "$1"', "sh",
-]  # fmt: skip
-Log = Callable[[str], None]
-
-
-class LineLog:
-    """Turns a command's output chunks into log lines (called from envd's reader thread)."""
-
-    def __init__(self, log: Log):
-        self.log = log
-        self.partial = b""
-
-    def feed(self, chunk: bytes) -> None:
-        *lines, self.partial = (self.partial + chunk).split(b"\n")
-        for line in lines:
-            self.log(line.decode(errors="replace").rstrip("\r"))
-
-    def flush(self) -> None:
-        if self.partial:
-            self.log(self.partial.decode(errors="replace"))
-            self.partial = b""
 
 
 class StepRunner:
@@ -170,13 +147,6 @@ class StepRunner:
         )
         _answer(status, answer, f"COPY {src}")
         return state
-
-
-async def sync(envd: EnvdLink) -> None:
-    """The build VM's writes on its disk, before a layer is sealed (no shell needed)."""
-    status, answer = await envd.post_json("/aenv/build/sync", {}, timeout=300)
-    if status >= 300:
-        raise StepError(f"sync failed: {answer[:200]!r}")
 
 
 def _answer(status: int, answer: bytes, what: str) -> dict[str, Any]:
