@@ -53,6 +53,9 @@ def routes(node: NodeService, parse: Parser) -> list[tuple[str, str, Handler]]:
 
 
 class TemplateBuildAPI:
+    """The template build routes: each maps the wire to one `NodeService` call (the builds are
+    `aenv.template.builds`, their VMs the engine's)."""
+
     def __init__(self, node: NodeService, parse: Parser):
         self.node = node
         self.parse = parse

@@ -1,7 +1,10 @@
-"""Templates from users' own images: the image side (pull, unpack, base disk layer).
+"""User-built templates, above the snapshot engine: images, steps and builds.
 
-The template builds (``builds``: the E2B template build API and ``aenv template build``) start
-a build from ``fromImage``; this package turns that reference into a verified local image and a
+A build (``builds``: the E2B template build API and ``aenv template build``; its records, tags
+and queue) starts from ``fromTemplate`` or ``fromImage`` and runs its steps (``steps``: the
+document and its cache keys; ``runner``: each step through envd; ``stepcache``) in a template VM
+of the engine (``stages``, over ``aenv.snapshot.templates``, which imports nothing of this
+package). For ``fromImage`` this package turns the reference into a verified local image and a
 qcow2 base layer the build VM boots from::
 
     store = ImageStore()                                   # <node home>/images
