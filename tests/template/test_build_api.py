@@ -159,7 +159,7 @@ def test_a_restart_marks_unfinished_builds_failed(tmp_path: Path) -> None:
 
 def test_cached_prefix_stops_at_the_first_forced_or_missing_step(tmp_path: Path) -> None:
     layers = {"b", "l1", "l2"}
-    builder = StepBuilder(None, layers.__contains__)  # type: ignore[arg-type]
+    builder = StepBuilder(None, SimpleNamespace(exists=layers.__contains__))  # type: ignore[arg-type]
     cache = StepCache(tmp_path)
     steps = [Step(type="RUN", args=[f"echo {n}"]) for n in range(3)]
     stages = [Stage(str(n + 1), step, None) for n, step in enumerate(steps)]  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ class Eviction:
 
     async def evict_expired(self) -> None:
         """Pause (autoPause) or kill every running sandbox whose end time has passed."""
-        for sandbox in list(self.table.sandboxes.values()):
+        for sandbox in self.table.held():
             if sandbox.lock.locked() or not self.lifecycle.expired(sandbox):
                 continue
             with logs.sandbox_context(sandbox.id):

@@ -70,7 +70,7 @@ class PauseHandover:
 
     def _durable(self, sandbox_id: str) -> None:
         """The sandbox's pause was committed to the repository: say so from now on."""
-        sandbox = self.table.sandboxes.get(sandbox_id)
+        sandbox = self.table.find(sandbox_id)
         if sandbox is not None and sandbox.record.state in (State.PAUSING, State.PAUSED):
             sandbox.record.durable = True
             sandbox.record.generation += 1
@@ -78,14 +78,14 @@ class PauseHandover:
 
     async def forget_moved(self) -> None:
         """Drop the durably paused sandboxes another node has taken over meanwhile."""
-        for sandbox in list(self.table.sandboxes.values()):
+        for sandbox in self.table.held():
             if sandbox.record.state != State.PAUSED or not sandbox.record.durable or sandbox.lock.locked():
                 continue
             with contextlib.suppress(OSError, ValueError):
                 state = self.engine.load_state(sandbox.id)
                 if moved_to := await asyncio.to_thread(self.handover.moved, state):
                     async with sandbox.lock:
-                        if sandbox.record.state == State.PAUSED and sandbox.id in self.table.sandboxes:
+                        if sandbox.record.state == State.PAUSED and sandbox.id in self.table:
                             await self.lifecycle.moved(sandbox, moved_to)
 
     async def take_over(self, sandbox_id: str, timeout: int | None) -> Sandbox:
@@ -95,7 +95,7 @@ class PauseHandover:
         makes sure only one node continues it, and the node it was paused on forgets it.
         """
         timeout = self.lifecycle.timeout(timeout)
-        if sandbox_id in self.table.sandboxes:
+        if sandbox_id in self.table:
             raise Conflict(f"sandbox {sandbox_id} is on this node: resume it instead")
         try:
             pause = await asyncio.to_thread(self.handover.find, sandbox_id)
@@ -135,7 +135,7 @@ class PauseHandover:
         Only a shared repository holds other nodes' pauses: a node without one says so
         (`NOT_SHARED`), and a gateway asks another node.
         """
-        if sandbox_id in self.table.sandboxes:
+        if sandbox_id in self.table:
             raise Conflict(f"sandbox {sandbox_id} is on this node: kill it instead")
         if not self.handover.enabled:
             raise Conflict(

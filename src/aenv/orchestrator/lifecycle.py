@@ -97,7 +97,7 @@ class Lifecycle:
         timeout = self.timeout(request.timeout)
         self.mounts.check(request.volume_mounts)
         sandbox_id = chosen_id(request.sandbox_id)
-        if sandbox_id in self.table.sandboxes:
+        if sandbox_id in self.table:
             raise Conflict(f"sandbox {sandbox_id} exists already")
         # A warm VM of the template has its network already.
         networks = 0 if self.catalog.warm(manifest.id)[1] else 1
@@ -156,7 +156,7 @@ class Lifecycle:
         """
         code = await vm.vm.wait()
         async with sandbox.lock:
-            if sandbox.vm is not vm or sandbox.id not in self.table.sandboxes:
+            if sandbox.vm is not vm or sandbox.id not in self.table:
                 return
             exited = _exit_reason(code)
             reason = f"its VM process {vm.vm.pid} exited unexpectedly ({exited}) at {rfc3339(clock.now())}"
@@ -271,7 +271,7 @@ class Lifecycle:
 
     async def running_vm(self, sandbox_id: str, *, resume: bool) -> Sandbox | None:
         """The sandbox if it runs; a paused one with auto-resume on is resumed first when asked."""
-        sandbox = self.table.sandboxes.get(sandbox_id)
+        sandbox = self.table.find(sandbox_id)
         if sandbox is None:
             return None
         if sandbox.record.state in (State.PAUSED, State.PAUSING) and resume and sandbox.record.auto_resume:
@@ -347,7 +347,7 @@ class Lifecycle:
                 ) from exc
             for child, vm in zip(children, vms, strict=True):
                 self.attach(child, vm)
-                self.table.sandboxes[child.id] = child
+                self.table.hold(child)
                 with self.table.transition(child, Op.START):
                     child.set_end(ttl)
             return children

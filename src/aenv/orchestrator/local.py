@@ -89,7 +89,7 @@ def _hidden(manifest: SnapshotManifest) -> bool:
 def _template_builds(orchestrator: Orchestrator, observe: Observe | None) -> TemplateBuilds:
     """The node's template builds: their records under its home, their VMs its engine's."""
     settings, engine = orchestrator.settings, orchestrator.engine
-    steps = StepBuilder(engine.templates, engine.layers.exists)
+    steps = StepBuilder(engine.templates, engine.layers)
     return TemplateBuilds(
         settings.home_path / "templates", engine.repository, steps, engine.layers,
         max_concurrent=settings.template_builds, events=orchestrator.events, observe=observe,

@@ -47,7 +47,7 @@ class Recovery:
     def surviving_networks(self) -> list[str]:
         """Namespaces of sandboxes a previous node process may have left running."""
         names = []
-        for record in self.table.store.all():
+        for record in self.table.stored():
             if record.state != State.PAUSED:
                 with contextlib.suppress(OSError, ValueError):
                     names.append(self.engine.load_state(record.sandbox_id).network_name)
@@ -58,9 +58,9 @@ class Recovery:
 
         `networks` are the namespaces the network pool kept for `surviving_networks()`.
         """
-        for record in self.table.store.all():
+        for record in self.table.stored():
             sandbox = Sandbox(record)
-            self.table.sandboxes[record.sandbox_id] = sandbox
+            self.table.hold(sandbox)
             async with sandbox.lock:
                 if record.state != State.PAUSED:
                     await self._recover(sandbox, networks)
@@ -72,15 +72,15 @@ class Recovery:
     def vm_pids(self) -> set[int]:
         """The QEMU processes of the sandboxes whose VM this node holds: running, or kept while
         paused (parked)."""
-        running = {s.vm.guest.vm.pid for s in self.table.sandboxes.values() if s.vm is not None}
+        running = {s.vm.guest.vm.pid for s in self.table.held() if s.vm is not None}
         return running | self.parked.pids()
 
     def _claimed_pids(self) -> set[int]:
         """The QEMU processes the recovered sandboxes own (running, or parked while paused)."""
         claimed = self.vm_pids()
-        for sandbox_id in self.table.sandboxes:
+        for sandbox in self.table.held():
             with contextlib.suppress(OSError, ValueError):
-                if (pid := self.engine.load_state(sandbox_id).pid) is not None:
+                if (pid := self.engine.load_state(sandbox.id).pid) is not None:
                     claimed.add(pid)
         return claimed
 

@@ -75,6 +75,17 @@ class SandboxTable:
             raise NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
         return sandbox
 
+    def __contains__(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.sandboxes
+
+    def stored(self) -> list[SandboxRecord]:
+        """Every record in the store (at start: what the previous node process left)."""
+        return self.store.all()
+
+    def hold(self, sandbox: Sandbox) -> None:
+        """Hold a sandbox whose record its caller stores (one loaded at start, a fork's child)."""
+        self.sandboxes[sandbox.id] = sandbox
+
     def held(self) -> list[Sandbox]:
         """Every sandbox this node holds, in any state."""
         return list(self.sandboxes.values())

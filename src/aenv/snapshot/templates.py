@@ -85,7 +85,7 @@ async def sync(envd: EnvdLink) -> None:
 
 
 class BuildVM:
-    """A user build's VM (`TemplateBuilder.vm`): its guest, and the disk's layer chain as it grows."""
+    """A template's VM (`TemplateBuilder.vm`): its guest, and the disk's layer chain as it grows."""
 
     def __init__(
         self, builder: TemplateBuilder, guest: GuestVM, staging: Path, chain: tuple[str, ...],
@@ -104,8 +104,8 @@ class BuildVM:
         return self.guest.envd
 
     async def seal(self) -> tuple[str, ...]:
-        """Freeze the writable layer under a new one while the guest runs (`sync` first); the chain
-        with it on top, which a later build can boot on."""
+        """Freeze the writable layer under a new one while the guest runs (the caller has synced
+        the guest's writes: `sync`); the chain with it on top, which a later build can boot on."""
         assert self.guest is not None, "the build VM was saved"
         top = new_layer_id()
         try:

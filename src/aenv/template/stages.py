@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aenv.repository.manifest import RuntimeContext, SnapshotManifest
+from aenv.runtime.layers import LayerStore
 from aenv.snapshot.model import EngineError, GuestInit
 from aenv.snapshot.templates import READY_TIMEOUT, Log, TemplateBuilder, sync
 from aenv.template.runner import StepRunner
@@ -70,12 +71,12 @@ class StageFailed(EngineError):
 
 
 class StepBuilder:
-    """Runs user builds' stages in the engine's template VMs; `exists` says whether a cached
-    entry's disk layer is still there (the node's collection may have removed it)."""
+    """Runs user builds' stages in the engine's template VMs; a cached entry is a hit while its
+    disk layers are still in `layers` (the node's collection may have removed them)."""
 
-    def __init__(self, builder: TemplateBuilder, exists: Callable[[str], bool]):
+    def __init__(self, builder: TemplateBuilder, layers: LayerStore):
         self.builder = builder
-        self.exists = exists
+        self.layers = layers
 
     async def build_steps(
         self, plan: StepBuild, cache: StepCache, runner: Callable[[EnvdLink], StepRunner], say: Say
@@ -126,7 +127,7 @@ class StepBuilder:
         """The layer chain and state after the longest run of cached, unforced first stages."""
         chain, state = plan.base, plan.state
         for index, stage in enumerate(plan.stages):
-            hit = None if stage.forced else cache.get(stage_key(chain[-1], stage), self.exists)
+            hit = None if stage.forced else cache.get(stage_key(chain[-1], stage), self.layers.exists)
             if hit is None:
                 return chain, state, index
             say(stage.name, f"CACHED {describe(stage, plan)}")
