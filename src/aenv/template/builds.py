@@ -34,6 +34,7 @@ from aenv.repository.contract import Repository
 from aenv.repository.errors import RepositoryError, SnapshotNotFound
 from aenv.repository.manifest import RuntimeContext, SnapshotManifest
 from aenv.runtime.layers import LayerStore
+from aenv.snapshot.templates import SyncFailed
 from aenv.telemetry import Observe
 from aenv.template.disk import base_layer, base_layer_key
 from aenv.template.image import ImageError
@@ -259,7 +260,7 @@ class TemplateBuilds:
                 "template %s build %s failed at %s: %s", record.template_id, build.build_id, exc.stage, exc
             )
             self._fail(build, exc.stage, str(exc))
-        except (ImageError, RepositoryError, OSError) as exc:
+        except (ImageError, RepositoryError, OSError, SyncFailed) as exc:
             self._fail(build, "base", str(exc))
         except Exception as exc:  # the build's boundary: reported as its error, logged in full
             log.exception("build %s of %s failed", build.build_id, record.template_id)
