@@ -37,6 +37,18 @@ def fake_v1(root: Path) -> CgroupTree:
     return tree
 
 
+def fake_v2(root: Path) -> tuple[CgroupTree, Path]:
+    """A v2 tree whose node group holds the node's process (pid 1234); the tree and that group."""
+    (root / "cgroup.controllers").write_text("cpu memory pids")
+    base = root / "system.slice/aenv.service"
+    base.mkdir(parents=True)
+    (base / "cgroup.procs").write_text("1234\n")
+    (base / "cgroup.subtree_control").write_text("")
+    tree = CgroupTree.detect(root, V2_PROC)
+    assert tree is not None
+    return tree, base
+
+
 def test_command_drops_privileges_and_enables_seccomp() -> None:
     argv = Confinement(namespaces=False).command(["qemu-system-x86_64", "-M", "microvm"])
     assert argv[: len(confine.DROP_PRIVILEGES)] == list(confine.DROP_PRIVILEGES)
@@ -166,13 +178,8 @@ def test_v1_layout_puts_groups_under_the_node_in_each_controller(tmp_path: Path)
 
 
 def test_v2_layout_delegates_controllers_and_moves_the_node_to_a_leaf(tmp_path: Path) -> None:
-    (tmp_path / "cgroup.controllers").write_text("cpu memory pids")
-    base = tmp_path / "system.slice/aenv.service"
-    base.mkdir(parents=True)
-    (base / "cgroup.procs").write_text("1234\n")
-    (base / "cgroup.subtree_control").write_text("")
-    tree = CgroupTree.detect(tmp_path, V2_PROC)
-    assert tree is not None and tree.version == 2
+    tree, base = fake_v2(tmp_path)
+    assert tree.version == 2
     tree.create("vm-7", Limits(vcpus=1, memory_mib=600, pids=64))
     assert (base / confine.V2_NODE_LEAF / "cgroup.procs").read_text() == "1234"
     assert "+memory" in (base / "cgroup.subtree_control").read_text()
@@ -180,6 +187,22 @@ def test_v2_layout_delegates_controllers_and_moves_the_node_to_a_leaf(tmp_path: 
     assert (group / "cpu.max").read_text() == "100000 100000"
     assert (group / "memory.max").read_text() == str(600 * 2**20)
     assert not (group / "memory.swap.max").exists()  # optional: not written where absent
+
+
+def test_the_vms_weigh_against_the_node_in_v1_shares(tmp_path: Path) -> None:
+    tree = fake_v1(tmp_path)
+    tree.weigh(25)  # a quarter of the node's nice-0 1024
+    assert (tmp_path / "cpu/aenv/cpu.shares").read_text() == "256"
+    tree.weigh(1)
+    assert (tmp_path / "cpu/aenv/cpu.shares").read_text() == "10"
+    assert not (tmp_path / "memory/process_api/abc/aenv/cpu.shares").exists()  # the cpu tree's alone
+
+
+def test_the_vms_weigh_against_the_node_leaf_in_v2(tmp_path: Path) -> None:
+    tree, base = fake_v2(tmp_path)
+    tree.weigh(20)
+    assert (base / "aenv/cpu.weight").read_text() == "20"
+    assert (base / confine.V2_NODE_LEAF / "cgroup.procs").read_text() == "1234"  # beside it, at 100
 
 
 def test_detect_without_controllers(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from pyroute2 import AsyncIPRoute, netns
 
+from .builder import build
 from .egress import EgressPolicy, ensure_host_rules
 from .netns import SandboxNetwork, delete_link
 from .slots import HOST_VETH_PREFIX, Slot, SlotAllocator
@@ -123,7 +124,7 @@ class NetworkPool:
     async def _make(self) -> SandboxNetwork:
         slot = self._slots.take()
         try:
-            network = await SandboxNetwork.create(f"{self.prefix}{slot.index}", slot, self.idle_policy)
+            network = await build(f"{self.prefix}{slot.index}", slot, self.idle_policy)  # off the loop
         except BaseException:
             self._slots.give_back(slot)
             raise
