@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.config import Settings
 from aenv.devnode import DevNode
 from aenv.vmm import confine
 from aenv.vmm.confine import CgroupTree, Confinement, IdentityError, Limits, RuntimeUser, VmmIdentities
@@ -263,8 +264,9 @@ def test_the_group_of_an_unreaped_process_goes(tmp_path: Path) -> None:
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")
 def test_the_host_tree_accepts_a_group() -> None:
     configured = confine.from_settings(
-        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None
-    )
+        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None,
+        cpu_weight=Settings.vmm_cpu_weight,  # the host's VMs share their parent group: as every node sets it
+    )  # fmt: skip
     assert configured.cgroups is not None
 
 

@@ -426,7 +426,7 @@ def from_settings(
     pids: int,
     mount_namespace: str | None,
     identities: VmmIdentities | None,
-    cpu_weight: int = 100,
+    cpu_weight: int,
 ) -> Confinement:
     """The node's confinement; without a writable cgroup tree, VMs run without cgroup limits (logged).
     `cpu_weight`: the VMs' together, against the node's 100 (`CgroupTree.weigh`)."""
