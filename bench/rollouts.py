@@ -33,8 +33,8 @@ thread). At 256 the loop still made every pool network itself (17 % of it at 64)
 At 256 (main after issue 35's start gate, the same rounds; py-spy of the node, and its main
 thread's run and run-queue times from /proc/<pid>/task/<tid>/schedstat): API p99 67-73 ms
 (max 229), 95 rollouts/min, tool call p50 1.5 s, p99 15 s. The loop was 25 % busy; of that,
-requests 66 % (of them, a third the 429s of creates the start gate refused: 60,000 in six
-minutes, the harness retrying every 0.5 s, each first reading and parsing the template), pool
+requests 66 % (14 % reading and parsing the template for creates the start gate then refused
+with 429: 60,000 in six minutes, the harness retrying every 0.5 s), pool
 networks 11 % and moving QEMU into its cgroups 6 % (both blocking: netlink under the RTNL lock,
 a cgroup v1 migration through an RCU grace period). The main thread ran 59 s and waited 36 s
 for a CPU: the VMs' parent cgroup weighed as much as the node. After pool networks on a thread
