@@ -435,10 +435,14 @@ def from_settings(
         try:  # the node may lack the right to create groups (a container without delegation)
             tree.create(PROBE, Limits(vcpus=1, memory_mib=64, pids=16))
             tree.remove(PROBE)
-            tree.weigh(cpu_weight)
         except OSError as exc:
             log.warning("cannot create cgroups (%s): VMs run without cgroup limits", exc)
             tree = None
+    if tree is not None:
+        try:
+            tree.weigh(cpu_weight)
+        except OSError as exc:  # the limits hold without it: the VMs keep the default weight
+            log.warning("cannot set the VMs' CPU weight (%s): they weigh as the node", exc)
     elif cgroups:
         log.warning("no cgroup tree with cpu, memory and pids: VMs run without cgroup limits")
     limits = {"memory_overhead_mib": memory_overhead_mib, "pids": pids}
