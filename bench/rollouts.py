@@ -39,8 +39,9 @@ networks 11 % and moving QEMU into its cgroups 6 % (both blocking: netlink under
 a cgroup v1 migration through an RCU grace period). The main thread ran 59 s and waited 36 s
 for a CPU: the VMs' parent cgroup weighed as much as the node. After pool networks on a thread
 of their own (`aenv.network.builder`), cgroup joins in a thread, the start gate before the
-template's lookup and `vmm_cpu_weight` 10: API p99 16-19 ms (max 151), 120 rollouts/min, p50
-0.8 s, p99 13 s; the loop 10 % busy, the main thread ran 30 s and waited 7.6 s. At 64 the API
+template's lookup and `vmm_cpu_weight` 10 (two runs): API p99 11-19 ms (max 128-151), 118-120
+rollouts/min, p50 0.8-1.0 s, p99 13-15 s; the loop 10 % busy, the main thread ran 30-31 s and
+waited 7.2-7.6 s. At 64 the API
 p99 went 49-50 -> 12-13 ms, at 16 21 -> 2 ms (tool call p50 264 -> 129 ms, 136 -> 155/min).
 
 Each concurrent row's note gives the node API's p99 and how the host's CPU split between the
