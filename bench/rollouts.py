@@ -28,7 +28,21 @@ resume's 49-55 ms (8.4-10x); reuse 0.65-0.67x. Before the fixes the API p99 was 
 at 16-256 (py-spy: the node's loop 52 % busy, 19 % of it making pool networks, 7 % of that
 parsing the host's address dump, which grew with the sandboxes: now cached and filtered,
 `aenv.network.egress.denied_host_addresses`; 2 % unlinking killed sandboxes' disks, now in a
-thread). At 256 the loop still makes every pool network itself (17 % of it at 64).
+thread). At 256 the loop still made every pool network itself (17 % of it at 64).
+
+At 256 (main after issue 35's start gate, the same rounds; py-spy of the node, and its main
+thread's run and run-queue times from /proc/<pid>/task/<tid>/schedstat): API p99 67-73 ms
+(max 229), 95 rollouts/min, tool call p50 1.5 s, p99 15 s. The loop was 25 % busy; of that,
+requests 66 % (14 % reading and parsing the template for creates the start gate then refused
+with 429: 60,000 in six minutes, the harness retrying every 0.5 s), pool
+networks 11 % and moving QEMU into its cgroups 6 % (both blocking: netlink under the RTNL lock,
+a cgroup v1 migration through an RCU grace period). The main thread ran 59 s and waited 36 s
+for a CPU: the VMs' parent cgroup weighed as much as the node. After pool networks on a thread
+of their own (`aenv.network.builder`), cgroup joins in a thread, the start gate before the
+template's lookup and `vmm_cpu_weight` 10 (two runs): API p99 11-19 ms (max 128-151), 118-120
+rollouts/min, p50 0.8-1.0 s, p99 13-15 s; the loop 10 % busy, the main thread ran 30-31 s and
+waited 7.2-7.6 s. At 64 the API
+p99 went 49-50 -> 12-13 ms, at 16 21 -> 2 ms (tool call p50 264 -> 129 ms, 136 -> 155/min).
 
 Each concurrent row's note gives the node API's p99 and how the host's CPU split between the
 node process and QEMU: the evidence of what bounds it under TCG.

@@ -232,6 +232,7 @@ class Node:
             cgroups=settings.vmm_cgroups,
             memory_overhead_mib=settings.vmm_memory_overhead_mib,
             pids=settings.vmm_pids_max,
+            cpu_weight=settings.vmm_cpu_weight,
             mount_namespace=self.mount_view.namespace if self.mount_view else None,
             identities=identities,
         )

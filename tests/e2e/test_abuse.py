@@ -28,6 +28,7 @@ import pytest
 from e2b import CommandExitException, Sandbox
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 
+from aenv.config import Settings
 from aenv.devnode import DevNode
 from aenv.orchestrator.launch import DISK_SIZE_MB
 
@@ -104,6 +105,8 @@ def test_qemu_runs_confined(node: NodeServer, sandboxes: Sandboxes) -> None:
     assert limit > info.memory_mb * 2**20
     cpu = Path("/sys/fs/cgroup/cpu/aenv") / f"vm-{pid}"
     assert int((cpu / "cpu.cfs_quota_us").read_text()) == info.cpu_count * 100_000
+    # All VMs together weigh vmm_cpu_weight against the node's 100 (nice 0: 1024 shares)
+    assert int((cpu.parent / "cpu.shares").read_text()) == Settings.vmm_cpu_weight * 1024 // 100
     assert int((Path("/sys/fs/cgroup/pids/aenv") / f"vm-{pid}" / "pids.max").read_text()) > 0
     sandbox.kill()
     assert not group.exists() and not cpu.exists()

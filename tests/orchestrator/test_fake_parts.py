@@ -23,7 +23,7 @@ import pytest
 from aenv import clock
 from aenv.config import Settings
 from aenv.events import Event, EventBus, PauseDurable, SandboxChanged, SandboxLost, SandboxStopped
-from aenv.orchestrator.errors import NotFound
+from aenv.orchestrator.errors import NotFound, Overloaded
 from aenv.orchestrator.handover import SANDBOX_RECORD
 from aenv.orchestrator.interface import CreateRequest
 from aenv.orchestrator.local import LocalNode
@@ -345,5 +345,25 @@ def test_the_node_service_lists_and_finds_through_the_catalog(tmp_path: Path) ->
         assert (await service.find("team/base:latest")).id == "tmpl1"
         with pytest.raises(NotFound, match="'nothing' not found"):
             await service.find("nothing")
+
+    run(main)
+
+
+def test_a_create_the_start_gate_refuses_reads_no_template(tmp_path: Path) -> None:
+    """A node that is starting all it can answers 429 before the template's files are read: such
+    creates come back every moment from a busy harness (256 rollouts at once)."""
+
+    async def main() -> None:
+        node = Node(tmp_path)
+        looked_up: list[str] = []
+        node.engine.repository.get = lambda name: looked_up.append(name) or TEMPLATE
+        gate = node.orchestrator.lifecycle.starts
+        gate.waiting, gate.estimate = 10 * gate.concurrency, 60.0  # minutes of starts ahead
+        with pytest.raises(Overloaded):
+            await node.orchestrator.create(CreateRequest(template="base", timeout=60))
+        assert looked_up == []
+        gate.waiting = 0
+        await node.orchestrator.create(CreateRequest(template="base", timeout=60))
+        assert looked_up == ["base"]
 
     run(main)

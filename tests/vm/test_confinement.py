@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from aenv.config import Settings
 from aenv.devnode import DevNode
 from aenv.vmm import confine
 from aenv.vmm.confine import CgroupTree, Confinement, IdentityError, Limits, RuntimeUser, VmmIdentities
@@ -35,6 +36,18 @@ def fake_v1(root: Path) -> CgroupTree:
     tree = CgroupTree.detect(root, V1_PROC)
     assert tree is not None
     return tree
+
+
+def fake_v2(root: Path) -> tuple[CgroupTree, Path]:
+    """A v2 tree whose node group holds the node's process (pid 1234); the tree and that group."""
+    (root / "cgroup.controllers").write_text("cpu memory pids")
+    base = root / "system.slice/aenv.service"
+    base.mkdir(parents=True)
+    (base / "cgroup.procs").write_text("1234\n")
+    (base / "cgroup.subtree_control").write_text("")
+    tree = CgroupTree.detect(root, V2_PROC)
+    assert tree is not None
+    return tree, base
 
 
 def test_command_drops_privileges_and_enables_seccomp() -> None:
@@ -166,13 +179,8 @@ def test_v1_layout_puts_groups_under_the_node_in_each_controller(tmp_path: Path)
 
 
 def test_v2_layout_delegates_controllers_and_moves_the_node_to_a_leaf(tmp_path: Path) -> None:
-    (tmp_path / "cgroup.controllers").write_text("cpu memory pids")
-    base = tmp_path / "system.slice/aenv.service"
-    base.mkdir(parents=True)
-    (base / "cgroup.procs").write_text("1234\n")
-    (base / "cgroup.subtree_control").write_text("")
-    tree = CgroupTree.detect(tmp_path, V2_PROC)
-    assert tree is not None and tree.version == 2
+    tree, base = fake_v2(tmp_path)
+    assert tree.version == 2
     tree.create("vm-7", Limits(vcpus=1, memory_mib=600, pids=64))
     assert (base / confine.V2_NODE_LEAF / "cgroup.procs").read_text() == "1234"
     assert "+memory" in (base / "cgroup.subtree_control").read_text()
@@ -180,6 +188,22 @@ def test_v2_layout_delegates_controllers_and_moves_the_node_to_a_leaf(tmp_path: 
     assert (group / "cpu.max").read_text() == "100000 100000"
     assert (group / "memory.max").read_text() == str(600 * 2**20)
     assert not (group / "memory.swap.max").exists()  # optional: not written where absent
+
+
+def test_the_vms_weigh_against_the_node_in_v1_shares(tmp_path: Path) -> None:
+    tree = fake_v1(tmp_path)
+    tree.weigh(25)  # a quarter of the node's nice-0 1024
+    assert (tmp_path / "cpu/aenv/cpu.shares").read_text() == "256"
+    tree.weigh(1)
+    assert (tmp_path / "cpu/aenv/cpu.shares").read_text() == "10"
+    assert not (tmp_path / "memory/process_api/abc/aenv/cpu.shares").exists()  # the cpu tree's alone
+
+
+def test_the_vms_weigh_against_the_node_leaf_in_v2(tmp_path: Path) -> None:
+    tree, base = fake_v2(tmp_path)
+    tree.weigh(20)
+    assert (base / "aenv/cpu.weight").read_text() == "20"
+    assert (base / confine.V2_NODE_LEAF / "cgroup.procs").read_text() == "1234"  # beside it, at 100
 
 
 def test_detect_without_controllers(tmp_path: Path) -> None:
@@ -240,8 +264,9 @@ def test_the_group_of_an_unreaped_process_goes(tmp_path: Path) -> None:
 @pytest.mark.skipif(CgroupTree.detect() is None, reason="no cgroup controllers on this host")
 def test_the_host_tree_accepts_a_group() -> None:
     configured = confine.from_settings(
-        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None
-    )
+        confine=True, cgroups=True, memory_overhead_mib=0, pids=16, mount_namespace=None, identities=None,
+        cpu_weight=Settings.vmm_cpu_weight,  # the host's VMs share their parent group: as every node sets it
+    )  # fmt: skip
     assert configured.cgroups is not None
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from pyroute2 import AsyncIPRoute, netns
 
+from .builder import build
 from .egress import EgressPolicy, ensure_host_rules
 from .netns import SandboxNetwork, delete_link
 from .slots import HOST_VETH_PREFIX, Slot, SlotAllocator
@@ -124,7 +125,7 @@ class NetworkPool:
         slot = self._slots.take()
         try:
             name = f"{self.prefix}{slot.index}"
-            return await SandboxNetwork.create(name, slot, self.idle_policy, self._returned)
+            return await build(name, slot, self.idle_policy, self._returned)  # off the loop
         except BaseException:
             self._slots.give_back(slot)
             raise

@@ -57,6 +57,7 @@ CPU_PERIOD_US = 100_000
 GROUP_PREFIX = "vm-"
 PROBE = "probe"
 V1_CONTROLLERS = ("cpu", "memory", "pids")
+V1_SHARES, V1_MIN_SHARES = 1024, 2  # cgroup v1's `cpu.shares` of a nice-0 task, and its least
 # The cgroup v2 leaf the node moves itself into when its own group holds processes: v2 lets
 # controllers be delegated to child groups only from a group without processes of its own.
 V2_NODE_LEAF = "aenv-node"
@@ -196,6 +197,23 @@ class CgroupTree:
             for file, value in self._settings(controller, limits).items():
                 if file not in OPTIONAL or (path / file).exists():
                     (path / file).write_text(value)
+
+    def weigh(self, weight: int) -> None:
+        """Give the VMs' parent group (`aenv/`) CPU `weight` against the node's 100, when both want
+        more CPU than there is (v2 `cpu.weight`; v1 `cpu.shares`, 1024 per 100).
+
+        The node's threads sit beside that group (in the node's group, or its v2 leaf), each
+        weighing 100 (nice 0), and the VMs split the group's weight among themselves by their own
+        (equal) weights, each still bounded to its vCPUs: so the weight decides how long the node
+        waits for a CPU on a host that its VMs keep busy, and nothing between VMs.
+        """
+        if self.version == 2:
+            self._delegate_v2()
+            (self.bases[""] / "aenv" / "cpu.weight").write_text(str(weight))
+        elif "cpu" in self.bases:
+            parent = self.bases["cpu"] / "aenv"
+            parent.mkdir(parents=True, exist_ok=True)
+            (parent / "cpu.shares").write_text(str(max(V1_MIN_SHARES, weight * V1_SHARES // 100)))
 
     def join(self, name: str, pid: int) -> None:
         """Move a process (all its threads) into the VM's group."""
@@ -408,8 +426,10 @@ def from_settings(
     pids: int,
     mount_namespace: str | None,
     identities: VmmIdentities | None,
+    cpu_weight: int,
 ) -> Confinement:
-    """The node's confinement; without a writable cgroup tree, VMs run without cgroup limits (logged)."""
+    """The node's confinement; without a writable cgroup tree, VMs run without cgroup limits (logged).
+    `cpu_weight`: the VMs' together, against the node's 100 (`CgroupTree.weigh`)."""
     tree = CgroupTree.detect() if cgroups else None
     if tree is not None:
         try:  # the node may lack the right to create groups (a container without delegation)
@@ -418,6 +438,11 @@ def from_settings(
         except OSError as exc:
             log.warning("cannot create cgroups (%s): VMs run without cgroup limits", exc)
             tree = None
+    if tree is not None:
+        try:
+            tree.weigh(cpu_weight)
+        except OSError as exc:  # the limits hold without it: the VMs keep the default weight
+            log.warning("cannot set the VMs' CPU weight (%s): they weigh as the node", exc)
     elif cgroups:
         log.warning("no cgroup tree with cpu, memory and pids: VMs run without cgroup limits")
     limits = {"memory_overhead_mib": memory_overhead_mib, "pids": pids}
