@@ -312,10 +312,11 @@ async def reset_rows(ctx: Context, snapshot: str) -> list[Row]:
 async def rollouts(ctx: Context) -> list[Row]:
     async with Sandboxes(ctx.client) as sandboxes:
         snapshot = await prepared(ctx, sandboxes)
+    parts = ctx.plan.rollout_parts
     try:
-        rows = await concurrent_rows(ctx, snapshot)
-        rows.append(await fan_out_row(ctx, snapshot))
-        rows += await reset_rows(ctx, snapshot)
+        rows = await concurrent_rows(ctx, snapshot) if "concurrent" in parts else []
+        rows += [await fan_out_row(ctx, snapshot)] if "fanout" in parts else []
+        rows += await reset_rows(ctx, snapshot) if "reset" in parts else []
     finally:
         await ctx.client.delete_snapshot(snapshot)
     return rows
