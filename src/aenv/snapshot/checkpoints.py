@@ -12,9 +12,11 @@ clock and entropy. The sandbox keeps its id, record and tokens; only its VM is n
 is started before the old one ends, so a reset that fails leaves the sandbox running as it was;
 the old one ends after the reset answered. Usually the new VM was restored ahead of time, the
 sandbox's standby (`aenv.snapshot.standby`), and the reset continues it. Measured (TCG, 2 cores)
-until a command ran after it: 450-490 ms restoring on the way (spawn 28-45 ms, pages and device
-state 15-24 ms, layer and stream 12-21 ms, envd's `/init` 108-150 ms, the old VM's end 21-60 ms,
-the first command 215-230 ms); the guest's first answers are translation a new process pays.
+until a command ran after it: restoring on the way 450-490 ms (layer and stream 12-21 ms, spawn
+28-45 ms, pages and device state 15-24 ms, envd's `/init` 108-150 ms, the old VM's end 21-60 ms,
+then the first command 215-230 ms); continuing the standby 367-380 ms (sockets and `cont` 3-10
+ms, `/init` 124-133 ms, the first command ~230 ms): what is left is the guest's first answers,
+code a new process translates afresh, which a parked resume (50-60 ms) has translated already.
 
 Why a new QEMU process rather than loading the checkpoint into the running one: under TCG the
 process's translated code is what a reuse would keep, and loading any CPU state flushes it

@@ -192,8 +192,11 @@ class Standbys:
         await asyncio.to_thread(self.host.layers.remove, top_layer)
 
     async def settle(self, sandbox_id: str | None = None) -> None:
-        """Drop the sandbox's standby (every one's without `sandbox_id`) and wait until every
-        standby and replaced VM being ended is gone (a kill must leave nothing behind)."""
+        """Drop the sandbox's standby (without `sandbox_id`: every one's, and make no more, as the
+        node stops) and wait until every standby and replaced VM being ended is gone (a kill must
+        leave nothing behind)."""
+        if sandbox_id is None:
+            self.enabled = False
         for held in [sandbox_id] if sandbox_id is not None else list(self._building):
             self.drop(held)
         while self._ending:
