@@ -29,6 +29,12 @@ at 16-256 (py-spy: the node's loop 52 % busy, 19 % of it making pool networks, 7
 parsing the host's address dump, which grew with the sandboxes: now cached and filtered,
 `aenv.network.egress.denied_host_addresses`; 2 % unlinking killed sandboxes' disks, now in a
 thread). At 256 the loop still makes every pool network itself (17 % of it at 64).
+Resets now continue a standby restored ahead of time (`aenv.snapshot.standby`; quick, reset rows
+only, `--rollout-parts reset`, 3 runs each): reset 375/396/400 ms against a parked resume's
+60/66/69 ms (6.3/6.0/5.8x; the standby made again after that resume runs beside it), before
+473/455/478 ms against 53/51/49 ms (8.9/8.9/9.9x); reuse 0.48/0.51/0.51x (before 0.67/0.65/0.68x).
+Of a reset, 130-145 ms are the node's answer (`cont` 3-12 ms, envd's `/init` 124-137 ms), the
+first command after it 235-257 ms: code a process that has not run translates afresh.
 
 Each concurrent row's note gives the node API's p99 and how the host's CPU split between the
 node process and QEMU: the evidence of what bounds it under TCG.
