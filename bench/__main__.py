@@ -2,6 +2,7 @@
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
                     [--seed HOME] [--memory-merge] [--rollout-counts N[,N]]
+                    [--rollout-parts concurrent,fanout,reset]
 
 Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
 builds the `base` template, or takes the one of the node home given by --seed) unless AENV_URL
@@ -22,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from .node import REPO
-from .plan import MODES
+from .plan import MODES, ROLLOUT_PARTS
 from .profile import FORMATS
 from .run import Options, run
 from .targets import FIGURES
@@ -44,6 +45,13 @@ def _counts(value: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"not a list of positive counts: {value!r}")
     return counts
+
+
+def _parts(value: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    if not parts or set(parts) - set(ROLLOUT_PARTS):
+        raise argparse.ArgumentTypeError(f"not a list of {', '.join(ROLLOUT_PARTS)}: {value!r}")
+    return parts
 
 
 def _terminate(pid: int) -> Callable[[int, FrameType | None], None]:
@@ -82,6 +90,9 @@ def main() -> int:
     parser.add_argument(
         "--rollout-counts", type=_counts, metavar="N[,N]", help="concurrent rollouts (default: the mode's)"
     )
+    parser.add_argument(
+        "--rollout-parts", type=_parts, metavar="PART[,PART]", help="parts of `rollout` (default: all)"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -95,6 +106,7 @@ def main() -> int:
         memory_merge=args.memory_merge,
         scale_full=args.scale_full,
         rollout_counts=args.rollout_counts,
+        rollout_parts=args.rollout_parts,
     )
     try:
         return run(options)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from .targets import FIGURES
 
+# `rollout`'s parts (`bench.rollouts`): N rollouts at once, the fan-out, reset and reuse.
+ROLLOUT_PARTS = ("concurrent", "fanout", "reset")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -38,6 +41,7 @@ class Plan:
     rollout_rounds: int  # rollouts each concurrent worker runs, one after the other
     rollout_fan_out: int  # sandboxes of the fan-out figure
     rollout_resets: int  # samples of reset, parked resume, and reuse against create-and-kill
+    rollout_parts: tuple[str, ...] = ROLLOUT_PARTS  # the parts of `rollout` measured
     scale_full: bool = False  # cluster-scale at the full size (`bench.scale.FULL`), not the smoke size
 
 

@@ -50,6 +50,9 @@ class Settings:
     # resume, at most park_max of them, fewer when host memory runs short (aenv.snapshot.parking).
     park_seconds: float = 300.0
     park_max: int = 128
+    # A sandbox's last checkpoint (taken or reset to) kept restored in a stopped QEMU, so that a
+    # reset to it continues that one (aenv.snapshot.standby); at most one per sandbox.
+    reset_standby: bool = True
     shutdown_action: str = "pause"  # what SIGTERM does to running sandboxes: pause or kill
     # Seconds a stop waits for the object store (commits of pauses and snapshots, lease releases;
     # aenv.node.STOP_GRACE more for pauses held up by reads of it): what is not committed by then

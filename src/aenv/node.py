@@ -149,6 +149,7 @@ class Node:
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
             runtime=self.storage.runtime, durable_pauses=repository.shared, events=events,
             describe=pause_metadata(store), warm_size=settings.warm_pool_size,
+            reset_standby=settings.reset_standby,
         )  # fmt: skip
         self.engine = engine
         if leftovers := engine.cleanup_warm_leftovers():

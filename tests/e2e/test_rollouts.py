@@ -17,9 +17,9 @@ import pytest
 from e2b import AsyncSandbox, NotFoundException, Sandbox
 from e2b.exceptions import SandboxException
 
-from aenv import rollouts
+from aenv import paths, rollouts
 
-from .conftest import NodeServer, Sandboxes, run_in
+from .conftest import NodeServer, Sandboxes, run_in, wait_until
 
 pytestmark = pytest.mark.vm
 
@@ -98,6 +98,53 @@ def test_reset_restores_processes_files_and_memory_exactly(sandboxes: Sandboxes)
     assert [c["checkpointID"] for c in rollouts.checkpoints(sandbox)] == [second["checkpointID"]]
     with pytest.raises(NotFoundException):
         rollouts.reset(sandbox, "start")
+
+
+def standby_vm(workdir: Path) -> tuple[int, str] | None:
+    """The pid and disk layer of the QEMU kept as the sandbox's standby (`aenv.snapshot.standby`):
+    the one whose log is in a `standby-*` directory of the sandbox's (removed once a reset took it)."""
+    for fd in Path("/proc").glob("[0-9]*/fd/1"):
+        try:
+            log = os.readlink(fd)
+            if not log.startswith(f"{workdir}/standby-") or log.endswith(" (deleted)"):
+                continue
+            cmdline = (fd.parent.parent / "cmdline").read_bytes().decode()
+        except OSError:
+            continue
+        layer = re.search(r"node-name=root,[^\0]*?/layers/([^/,\0]+)\.qcow2", cmdline)
+        assert layer, cmdline
+        return int(fd.parent.parent.name), layer.group(1)
+    return None
+
+
+def test_resets_continue_the_checkpoints_standby(node: NodeServer, sandboxes: Sandboxes) -> None:
+    sandbox = sandboxes.create("base")
+    workdir = node.home / "sandboxes" / sandbox.sandbox_id
+    pid = start_keeper(sandbox, "alpha")
+    sandbox.files.write("/home/user/state.txt", "one")
+    rollouts.checkpoint(sandbox, "start")
+    vms: list[tuple[int, str]] = []
+    for episode in range(2):  # the checkpoint's standby, then the one made after that reset
+        sandbox.files.write("/home/user/state.txt", f"episode {episode}")
+        sandbox.files.write("/tmp/change", "beta")
+        assert ask(sandbox) == "beta"
+        vms.append(wait_until(lambda: standby_vm(workdir), 60, what="a standby of the checkpoint"))
+        rollouts.reset(sandbox, "start")
+        state = json.loads((workdir / "state.json").read_text())
+        assert (state["pid"], state["disk_layers"][-1]) == vms[-1], "the reset did not continue the standby"
+        assert sandbox.files.read("/home/user/state.txt") == "one"
+        assert run_in(sandbox, "pgrep -f keeper.py").split()[0] == pid
+        assert ask(sandbox) == "alpha"
+        assert abs(int(run_in(sandbox, "date +%s")) - time.time()) < 3
+    vms.append(wait_until(lambda: standby_vm(workdir), 60, what="the next standby"))
+    Sandbox.kill(sandbox.sandbox_id)
+    layers = paths.layers_dir(node.home)
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{p}").exists() or (layers / f"{l_}.qcow2").exists() for p, l_ in vms)
+
+    wait_until(gone, 30, what="the standbys' QEMU processes and disk layers to go")
+    assert not workdir.exists()
 
 
 def test_a_checkpoint_becomes_a_snapshot_to_fan_out_from(sandboxes: Sandboxes) -> None:

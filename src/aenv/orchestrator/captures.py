@@ -8,14 +8,15 @@ layer its capture sealed is unsealed as soon as nothing else runs on its sandbox
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
-from ..events import EventBus, SandboxStopped, SnapshotFailed
+from ..events import EventBus, SandboxChanged, SandboxStopped, SnapshotFailed
 from ..repository.manifest import SnapshotManifest
-from ..snapshot.checkpoints import Checkpoint, Checkpoints
+from ..snapshot.checkpoints import Checkpoint, CheckpointNotFound, Checkpoints
 from .admission import Admission
 from .backend import SandboxBackend
-from .errors import OperationFailed
+from .errors import InsufficientStorage, OperationFailed, Overloaded
 from .failures import ENGINE_FAILURES, engine_errors
 from .launch import guest_init
 from .lifecycle import Lifecycle
@@ -47,6 +48,7 @@ class Captures:
         self.admission = admission
         self._unseals: set[asyncio.Task[None]] = set()
         events.subscribe(SnapshotFailed, lambda failed: self._snapshot_failed(failed.manifest))
+        events.subscribe(SandboxChanged, lambda changed: self._standby_again(changed.sandbox_id))
 
     async def snapshot(self, sandbox: Sandbox, name: str | None, *, memory: bool = True) -> SnapshotManifest:
         """Snapshot the running sandbox; without `memory` only its disk (sandboxes from it boot)."""
@@ -66,7 +68,9 @@ class Captures:
         async with self.table.operation(sandbox, Op.CHECKPOINT):
             assert sandbox.vm is not None
             with engine_errors(f"checkpoint of sandbox {sandbox.id}"):
-                return await self.engine.checkpoint(sandbox.vm, name)
+                checkpoint = await self.engine.checkpoint(sandbox.vm, name)
+            self._prepare_standby(sandbox, checkpoint.checkpoint_id)
+            return checkpoint
 
     def checkpoints(self, sandbox: Sandbox) -> list[Checkpoint]:
         return self._checkpoints.list(sandbox.id)
@@ -103,6 +107,27 @@ class Captures:
             except ENGINE_FAILURES as exc:
                 failed = f"sandbox {sandbox.id} was reset, but its volumes were not mounted: {exc}"
                 raise OperationFailed(failed) from exc
+            if vm.state.checkpoint is not None:
+                self._prepare_standby(sandbox, vm.state.checkpoint)  # for the next reset to it
+
+    def _standby_again(self, sandbox_id: str) -> None:
+        """A sandbox running again after a pause gets its standby back (a pause drops it)."""
+        sandbox = self.table.sandboxes.get(sandbox_id)
+        if sandbox is None or sandbox.vm is None or sandbox.record.state != State.RUNNING:
+            return
+        if sandbox.vm.state.checkpoint is not None:
+            self._prepare_standby(sandbox, sandbox.vm.state.checkpoint)
+
+    def _prepare_standby(self, sandbox: Sandbox, checkpoint_id: str) -> None:
+        """A standby of the checkpoint for the sandbox's next reset, if the node has room for one
+        more VM of its size (a standby is counted as one: `Standbys.memory_mib`)."""
+        try:
+            self.admission.check_start(f"keep a standby of sandbox {sandbox.id}", sandbox.record.memory_mb)
+        except (Overloaded, InsufficientStorage):
+            return
+        assert sandbox.vm is not None
+        with contextlib.suppress(CheckpointNotFound):  # deleted meanwhile
+            self._checkpoints.prepare_standby(sandbox.vm, checkpoint_id)
 
     def _snapshot_failed(self, manifest: SnapshotManifest) -> None:
         """A snapshot answered earlier failed to commit: unseal the disk layer it sealed, as soon as

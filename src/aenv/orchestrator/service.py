@@ -64,7 +64,10 @@ class Orchestrator:
             home=settings.home_path,
             disk_reserve_mib=settings.disk_reserve_mib,
             memory_budget_mib=int(meminfo_mib() * settings.memory_overcommit),
-            committed_mib=lambda: sum(s.record.memory_mb for s in table.sandboxes.values() if s.vm),
+            committed_mib=lambda: (
+                sum(s.record.memory_mb for s in table.sandboxes.values() if s.vm)
+                + engine.checkpoints.standbys.memory_mib()
+            ),
             free_slots=lambda: None if networks is None else networks.available,
         )
         self.mounts = VolumeMounts(volumes)

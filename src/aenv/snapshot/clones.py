@@ -75,14 +75,21 @@ class Clones:
         return vm
 
     async def load(
-        self, vm: VirtualMachine, manifest: SnapshotManifest, deltas: list[Path], stream: Path
+        self,
+        vm: VirtualMachine,
+        manifest: SnapshotManifest,
+        deltas: list[Path],
+        stream: Path,
+        *,
+        run: bool = True,
     ) -> None:
-        """Write the changed pages into the waiting QEMU, load the device state, let the guest run."""
+        """Write the changed pages into the waiting QEMU, load the device state, let the guest run
+        (unless `run` is off: `migration.load`)."""
         if deltas:
             start, end = memory.find_mapping(vm.pid, self.host.runtime.memory_image(manifest))
             await asyncio.to_thread(memory.apply_deltas, vm.pid, start, end, deltas)
         try:
-            await migration.load(vm, stream, self.host.incoming_timeout)
+            await migration.load(vm, stream, self.host.incoming_timeout, run=run)
         except migration.MigrationError as exc:
             raise EngineError(str(exc)) from exc
 

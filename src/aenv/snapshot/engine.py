@@ -80,6 +80,7 @@ class SnapshotEngine:
         events: EventBus | None = None,
         describe: Describe | None = None,
         warm_size: int = 0,
+        reset_standby: bool = False,
     ):
         self.layers = LayerStore(home / "layers")
         self.sandboxes_dir = home / "sandboxes"
@@ -104,7 +105,7 @@ class SnapshotEngine:
         # Off unless asked for: without it, every pause ends the QEMU process at once.
         self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0), events)
         self.parked = self.pauses.lot
-        self.checkpoints = Checkpoints(self.host, clones)
+        self.checkpoints = Checkpoints(self.host, clones, standby=reset_standby)
         self.handover = Handover(self.host, durable_pauses, events, describe, self.checkpoints.carried)
         self.pending = PendingSnapshots(self.host, repository.pending_dir(), events)
         self.lifecycle = Lifecycle(
@@ -127,6 +128,7 @@ class SnapshotEngine:
         Pauses after this end the QEMU process at once.
         """
         await self.parked.close()
+        await self.checkpoints.standbys.settle()
         await self.pool.close()
         await self.handover.close()
         await self.pending.close()
@@ -171,6 +173,7 @@ class SnapshotEngine:
         return await self.lifecycle.start(snapshot, sandbox_id, init, policy)
 
     async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
+        self.checkpoints.standbys.drop(sandbox.sandbox_id)  # made again once it runs (`Captures`)
         return await self.pauses.pause(sandbox, memory=memory)
 
     async def drop_memory(self, sandbox_id: str) -> None:
@@ -208,8 +211,9 @@ class SnapshotEngine:
         return await self.lifecycle.fork(sandbox, children)
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
-        await self.lifecycle.kill(sandbox)
         ended = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
+        await self.checkpoints.standbys.settle(ended.sandbox_id)  # its standby, and a VM a reset replaced
+        await self.lifecycle.kill(sandbox)
         try:
             await asyncio.to_thread(self.recovery.remove_sealed_layers, ended, self.pending.layers())
         except Exception:  # the sandbox is gone either way; the collector removes them later

@@ -417,6 +417,15 @@ class VirtualMachine:
             serial = SerialPump.connect(workdir, path)
         return cls(config=config, workdir=workdir, process=process, qmp=qmp, serial=serial)
 
+    def move(self, workdir: Path) -> None:
+        """Make `workdir` this VM's: its recovery and console sockets move there (replacing those
+        of a VM it takes over from), and its console is logged there from now on."""
+        for name in (RECOVERY_SOCKET, SERIAL_SOCKET):
+            os.replace(self.workdir / name, workdir / name)
+        if self.serial is not None:
+            self.serial.move(workdir)
+        self.workdir = workdir
+
     async def command(self, name: str, **arguments: Any) -> Any:
         """Run one QMP command and return its result."""
         try:

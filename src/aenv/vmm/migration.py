@@ -57,8 +57,9 @@ async def _pass_file(vm: VirtualMachine, path: Path, flags: int, name: str) -> N
         os.close(fd)
 
 
-async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
-    """Feed a prepared QEMU the stream, wait for the load, and let the guest run.
+async def load(vm: VirtualMachine, stream: Path, timeout: float, *, run: bool = True) -> None:
+    """Feed a prepared QEMU the stream, wait for the load, and let the guest run (unless `run` is
+    off: then QEMU must have been told `stop` while incoming, and the guest stays stopped).
 
     The node opens the stream and passes it (QMP `getfd`; `migrate-incoming` takes the
     descriptor over): a resume's stream lies in the sandbox's own directory, which no QEMU sees.
@@ -71,8 +72,9 @@ async def load(vm: VirtualMachine, stream: Path, timeout: float) -> None:
             raise MigrationError("loading the device state timed out")
         await asyncio.sleep(0.001)
     if status == "paused":
-        await vm.command("cont")
-    elif status != "running":  # QEMU starts the guest by itself once the state is loaded
+        if run:
+            await vm.command("cont")
+    elif status != "running" or not run:  # QEMU starts the guest by itself once the state is loaded
         raise MigrationError(f"loading the device state failed: QEMU is {status}")
 
 

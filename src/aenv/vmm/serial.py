@@ -203,6 +203,11 @@ class SerialPump:
         finally:
             self._close()
 
+    def move(self, workdir: Path) -> None:
+        """Write into `workdir`'s log from now on (a VM started aside becomes a sandbox's)."""
+        self.ring.close()
+        self.ring = SerialRing(workdir)
+
     async def stop(self) -> None:
         self.task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
