@@ -22,6 +22,7 @@ from typing import Any
 from . import cluster, dataplane, density, figures, fusion, loaded, rollouts, scale, soak, storage, templates
 from .client import NodeClient
 from .context import Context
+from .divergence import divergence
 from .floors import FloorLab
 from .merging import ksm_scanning
 from .node import LocalNode, Node, remote_node
@@ -52,6 +53,7 @@ MEASURES: dict[str, Measure] = {
     "fusion": fusion.fusion,
     "rollout": rollouts.rollouts,
     "cluster-scale": scale.cluster_scale,
+    "divergence": divergence,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
 _BASE_FLOORED = {"create", "pause", "resume", "resume-released", "snapshot"}

@@ -156,6 +156,7 @@ class Node:
             telemetry=telemetry,
         )  # fmt: skip
         self.orchestrator.on_stopped = self.api.proxy.release
+        self.api.registry.register(self.orchestrator.reclaimer)
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.storage.peers.

@@ -55,6 +55,7 @@ from .errors import (
 )
 from .interface import CreateRequest
 from .metrics import MetricsArchive, SampleWatch, between, merge, sandbox_metric
+from .reclaim import MemoryReclaimer
 from .states import Op, State, Transition, transition
 from .store import SandboxRecord, SandboxStore
 
@@ -169,12 +170,18 @@ class Orchestrator:
         self.volumes = volumes  # None: the node has no volumes (creates that mount one get 400)
         self.sandboxes: dict[str, Sandbox] = {}
         self.counters = {"create_successes": 0, "create_failures": 0, "lost": 0}
+        self.reclaimer = MemoryReclaimer(
+            self.sandboxes.values, settings.reclaim_interval, settings.reclaim_growth_mib,
+            settings.reclaim_pressure_mib,
+        )  # fmt: skip
         self.admission = Admission(
             home=settings.home_path,
             disk_reserve_mib=settings.disk_reserve_mib,
             memory_budget_mib=int(meminfo_mib() * settings.memory_overcommit),
             committed_mib=lambda: sum(s.record.memory_mb for s in self.sandboxes.values() if s.vm),
             free_slots=lambda: None if engine.networks is None else engine.networks.available,
+            held_mib=self.reclaimer.held_mib,
+            memory_reserve_mib=settings.memory_reserve_mib,
         )
         # Sandboxes whose VM died under them, newest last: a lookup says why they are gone.
         self.lost: dict[str, str] = {}
@@ -237,6 +244,7 @@ class Orchestrator:
         if killed := self.engine.kill_unclaimed_vms(self._claimed_pids()):
             log.warning("ended the VMs of creates the previous node process did not finish: pids %s", killed)
         self._evictor = asyncio.create_task(self._evict_forever())
+        self.reclaimer.start()
 
     def vm_pids(self) -> set[int]:
         """The QEMU processes of the sandboxes whose VM this node holds: running, or kept while
@@ -310,6 +318,7 @@ class Orchestrator:
     async def close(self) -> None:
         """Pause (or kill, by configuration) every running sandbox, then stop."""
         self._closing = True
+        await self.reclaimer.stop()
         if self._evictor is not None:
             self._evictor.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -52,16 +52,16 @@ class ReclaimError(RuntimeError):
     """QEMU could not be made to drop pages."""
 
 
+_REGISTERS = (
+    "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi",
+    "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base", "ds", "es", "fs", "gs",
+)  # fmt: skip
+
+
 class _Regs(ctypes.Structure):
     """x86-64 `struct user_regs_struct`."""
 
-    _fields_ = [
-        (name, ctypes.c_ulonglong)
-        for name in (
-            "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss "
-            "fs_base gs_base ds es fs gs"
-        ).split()
-    ]
+    _fields_ = [(name, ctypes.c_ulonglong) for name in _REGISTERS]
 
 
 def _ptrace(request: int, tid: int, addr: int = 0, data: object = None) -> None:

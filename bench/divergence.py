@@ -1,0 +1,84 @@
+"""Divergence: what sandboxes cost the host after their guests used memory and freed it (issue 36).
+
+Sandboxes from `base` are created and left idle; host RAM used (MemTotal - MemAvailable, against
+the same before the creates) gives a fresh idle sandbox's cost. Then each guest allocates and
+touches 200 MiB and frees it, and writes then deletes 100 MiB of files. For each, the time from
+the end of its workload until 80 % of the private memory its QEMU gained is back on the host
+(`/proc/<pid>/status` RssAnon, polled) is the return time. After the idle period host RAM per
+diverged sandbox is set against the fresh figure, and the guest RAM configured over the host RAM
+used is the overcommit under divergence (`--memory-merge` measures it with KSM on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aenv.orchestrator.reclaim import private_mib
+
+from .context import Context, Sandboxes, bounded
+from .density import host_used_mib
+from .report import Row
+from .stats import summarize
+
+ALLOCATE = "python3 -c 'b = bytearray(200 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n'"
+FILES = "dd if=/dev/urandom of=/root/big bs=1M count=100 status=none && sync && rm /root/big && sync"
+RETURNED_SHARE = 0.8
+RETURN_TIMEOUT_S = 60.0
+POLL_S = 0.25
+CONCURRENCY = 2  # guests running the workload at once (TCG: one per host core)
+
+
+async def _diverge(ctx: Context, sandbox: dict[str, Any], pid: int | None) -> float | None:
+    """Run the workload; seconds until 80 % of what its QEMU gained is back (None: not local)."""
+    before = private_mib(pid) if pid is not None else 0.0
+    await ctx.client.run(sandbox, ALLOCATE)
+    await ctx.client.run(sandbox, FILES)
+    if pid is None:
+        return None
+    freed_at = time.monotonic()
+    peak = private_mib(pid)
+    goal = peak - RETURNED_SHARE * (peak - before)
+    while private_mib(pid) > goal:
+        if time.monotonic() - freed_at > RETURN_TIMEOUT_S:
+            return RETURN_TIMEOUT_S
+        await asyncio.sleep(POLL_S)
+    return time.monotonic() - freed_at
+
+
+async def divergence(ctx: Context) -> list[Row]:
+    count, local = ctx.plan.divergence, ctx.node.local
+    before = host_used_mib() if local else 0.0
+    async with Sandboxes(ctx.client) as sandboxes:
+        created = await bounded(4, [sandboxes.create for _ in range(count)])
+        live = [s for s in created if isinstance(s, dict)]
+        if not live:
+            raise RuntimeError(f"no sandbox could be created: {created[0]}")
+        await asyncio.sleep(ctx.plan.divergence_idle_s)
+        fresh = (host_used_mib() - before) / len(live) if local else None
+        pids = ctx.node.sandbox_pids()
+        returns = await bounded(
+            CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"])) for s in live]
+        )
+        failed = [str(r) for r in returns if isinstance(r, BaseException)]
+        await asyncio.sleep(ctx.plan.divergence_idle_s)
+        diverged = (host_used_mib() - before) / len(live) if local else None
+        memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
+    note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
+    note += f", KSM {'on' if ctx.node.memory_merge else 'off'}"
+    if failed:
+        note += f"; {len(failed)} workloads failed: {failed[-1]}"
+    times = [r for r in returns if isinstance(r, float)]
+    if fresh is None or diverged is None or not times:
+        return [Row("divergence", summarize("divergence: sandboxes", [len(live)], unit="count"), note=note)]
+    details = {"fresh_mib_per_sandbox": round(fresh, 1), "diverged_mib_per_sandbox": round(diverged, 1),
+               "sandboxes": len(live), "return_s": times, "failed": failed}  # fmt: skip
+    return [
+        Row("divergence-return", summarize("divergence: 80 % of freed memory back (s)", times, unit="s"),
+            note=note, details=details),
+        Row("divergence-ram", summarize("divergence: host RAM per diverged / fresh idle sandbox",
+            [diverged / fresh], unit="x"), note=f"{diverged:.1f} MiB against {fresh:.1f} MiB"),
+        Row("divergence-overcommit", summarize("divergence: overcommit (guest RAM / host RAM)",
+            [memory_mib / diverged], unit="x")),
+    ]  # fmt: skip
