@@ -18,7 +18,8 @@ from typing import Any
 from aenv.orchestrator.reclaim import private_mib
 
 from .context import Context, Sandboxes, bounded
-from .density import host_used_mib
+from .density import cpu_seconds, host_used_mib
+from .merging import ksmd_pid, merged_mib
 from .report import Row
 from .stats import summarize
 
@@ -62,11 +63,17 @@ async def divergence(ctx: Context) -> list[Row]:
             CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"])) for s in live]
         )
         failed = [str(r) for r in returns if isinstance(r, BaseException)]
+        ksmd = [pid] if ctx.node.memory_merge and (pid := ksmd_pid()) is not None else []
+        ksmd_before = cpu_seconds(ksmd)
         await asyncio.sleep(ctx.plan.divergence_idle_s)
+        ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.divergence_idle_s
         diverged = (host_used_mib() - before) / len(live) if local else None
         memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
     note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
-    note += f", KSM {'on' if ctx.node.memory_merge else 'off'}"
+    if ctx.node.memory_merge:
+        note += f", KSM on: {merged_mib():.0f} MiB saved, ksmd {ksmd_cores:.2f} cores while idle"
+    else:
+        note += ", KSM off"
     if failed:
         note += f"; {len(failed)} workloads failed: {failed[-1]}"
     times = [r for r in returns if isinstance(r, float)]
