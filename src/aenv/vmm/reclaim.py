@@ -26,13 +26,12 @@ import asyncio
 import ctypes
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..snapshot.memory import PAGE_SIZE, dirty_pages, find_mapping
+from ..snapshot.memory import PAGE_SIZE, dirty_pages, find_mapping, runs
 from .machine import MemoryMode, VirtualMachine
 
 _SYS_MADVISE = 28
@@ -42,7 +41,6 @@ _PTRACE_SINGLESTEP, _PTRACE_DETACH = 9, 17
 _PTRACE_SEIZE, _PTRACE_INTERRUPT = 0x4206, 0x4207
 _WALL = 0x40000000
 _SYSCALL_INSN = b"\x0f\x05"
-_SCAN_CHUNK_PAGES = 256  # 1 MiB read from the guest and the image at a time
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
 _libc.ptrace.restype = ctypes.c_long
@@ -126,31 +124,18 @@ def drop(pid: int, runs: list[tuple[int, int]]) -> None:
         _ptrace(_PTRACE_DETACH, pid)
 
 
-def _runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
-    """(first page, page count) of each run of consecutive page indices."""
-    if indices.size == 0:
-        return
-    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
-    starts = np.concatenate(([0], breaks)).tolist()
-    ends = np.concatenate((breaks, [indices.size])).tolist()
-    for first, last in zip(starts, ends, strict=True):
-        yield int(indices[first]), last - first
-
-
 def equal_pages(pid: int, start: int, image: Path, indices: np.ndarray) -> np.ndarray:
     """Those of the private page `indices` of the mapping at `start` equal to the image's page."""
     equal: list[np.ndarray] = []
     with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem, open(image, "rb", buffering=0) as img:
-        for first, count in _runs(indices):
-            for offset in range(first, first + count, _SCAN_CHUNK_PAGES):
-                pages = min(_SCAN_CHUNK_PAGES, first + count - offset)
-                size = pages * PAGE_SIZE
-                ours = np.frombuffer(os.pread(mem.fileno(), size, start + offset * PAGE_SIZE), np.uint64)
-                theirs = np.frombuffer(os.pread(img.fileno(), size, offset * PAGE_SIZE), np.uint64)
-                if ours.size != theirs.size:
-                    raise ReclaimError(f"{image} is shorter than the guest's RAM")
-                same = (ours.reshape(pages, -1) == theirs.reshape(pages, -1)).all(axis=1)
-                equal.append(np.flatnonzero(same).astype(np.uint64) + np.uint64(offset))
+        for first, pages in runs(indices):  # each at most 1 MiB
+            size = pages * PAGE_SIZE
+            ours = np.frombuffer(os.pread(mem.fileno(), size, start + first * PAGE_SIZE), np.uint64)
+            theirs = np.frombuffer(os.pread(img.fileno(), size, first * PAGE_SIZE), np.uint64)
+            if ours.size != theirs.size:
+                raise ReclaimError(f"{image} is shorter than the guest's RAM")
+            same = (ours.reshape(pages, -1) == theirs.reshape(pages, -1)).all(axis=1)
+            equal.append(np.flatnonzero(same).astype(np.uint64) + np.uint64(first))
     return np.concatenate(equal) if equal else np.empty(0, np.uint64)
 
 
@@ -171,7 +156,7 @@ def scan(pid: int, start: int, end: int, image: Path) -> Scan:
 def settle(pid: int, start: int, image: Path, candidates: np.ndarray) -> int:
     """With the guest stopped: drop the candidates still equal to the image; returns pages dropped."""
     still = equal_pages(pid, start, image, candidates)
-    drop(pid, [(start + first * PAGE_SIZE, count * PAGE_SIZE) for first, count in _runs(still)])
+    drop(pid, [(start + first * PAGE_SIZE, count * PAGE_SIZE) for first, count in runs(still)])
     return int(still.size)
 
 
