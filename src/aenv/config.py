@@ -93,7 +93,7 @@ class Settings:
     reclaim_interval: float = 5.0
     reclaim_growth_mib: int = 16
     reclaim_pressure_mib: int = 2048
-    memory_reserve_mib: int = 1024
+    memory_reserve_mib: int = 256
     # Each sandbox's serial console is kept as a ring of about this many MiB (aenv.vmm.serial).
     serial_log_mib: int = 8
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
