@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from aenv.orchestrator import reclaim as policy_module
 from aenv.orchestrator.admission import Admission
@@ -66,6 +67,9 @@ def test_only_sandboxes_whose_memory_grew_are_scanned() -> None:
     assert asyncio.run(policy.sweep()) == 200 * 2**20
     assert FakeVM.reclaimed == [1]
     assert asyncio.run(policy.sweep()) == 0  # nothing grew since
+    registry = CollectorRegistry()
+    registry.register(policy)  # as the node registers it
+    assert registry.get_sample_value("aenv_node_memory_returned_bytes_total") == 200 * 2**20
     families = {family.name: family for family in policy.collect()}
     by_sandbox = {s.labels["sandbox_id"]: s.value for s in families["aenv_memory_returned_bytes"].samples}
     assert by_sandbox == {"a": 200 * 2**20, "b": 0}

@@ -54,7 +54,7 @@ class _Watch:
     busy: float = 0.0  # CPU seconds used between the last two passes
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: a Prometheus registry keys its collectors by them
 class MemoryReclaimer:
     """Runs the policy over the sandboxes `sandboxes()` yields, and reports it on /metrics."""
 
