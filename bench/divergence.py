@@ -3,9 +3,11 @@
 Sandboxes from `base` are created and left idle; host RAM used (MemTotal - MemAvailable, against
 the same before the creates) gives a fresh idle sandbox's cost. Then each guest allocates and
 touches 200 MiB and frees it, and writes then deletes 100 MiB of files. For each, the time from
-the end of its workload until 80 % of the private memory its QEMU gained is back on the host
-(`/proc/<pid>/status` RssAnon, polled) is the return time. After the idle period host RAM per
-diverged sandbox is set against the fresh figure, and the guest RAM configured over the host RAM
+the end of its workload until 80 % of the guest RAM it made private is back on the host (the
+private pages of the QEMU's guest RAM mapping, polled; QEMU's own memory, under TCG chiefly the
+translation cache of the code the workload ran, was never guest memory) is the return time.
+After the idle period host RAM per diverged sandbox is set against the fresh figure, and the
+guest RAM configured over the host RAM
 used is the overcommit under divergence (`--memory-merge` measures it with KSM on).
 """
 
@@ -15,7 +17,7 @@ import asyncio
 import time
 from typing import Any
 
-from aenv.orchestrator.reclaim import private_mib
+from aenv.snapshot.memory import PAGE_SIZE, dirty_pages
 
 from .context import Context, Sandboxes, bounded
 from .density import cpu_seconds, host_used_mib
@@ -31,17 +33,33 @@ POLL_S = 0.25
 CONCURRENCY = 2  # guests running the workload at once (TCG: one per host core)
 
 
-async def _diverge(ctx: Context, sandbox: dict[str, Any], pid: int | None) -> float | None:
-    """Run the workload; seconds until 80 % of what its QEMU gained is back (None: not local)."""
-    before = private_mib(pid) if pid is not None else 0.0
+def guest_ram(pid: int, memory_mib: int) -> tuple[int, int]:
+    """Address range of a QEMU's guest RAM: its file mapping of exactly the guest's size."""
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) == 6 and end - start == memory_mib << 20:
+                return start, end
+    raise LookupError(f"QEMU {pid} maps no guest RAM of {memory_mib} MiB")
+
+
+def private_mib(pid: int, memory_mib: int) -> float:
+    """MiB of guest RAM the QEMU holds privately (pages the guest wrote and the host still keeps)."""
+    return dirty_pages(pid, *guest_ram(pid, memory_mib)).size * PAGE_SIZE / 2**20
+
+
+async def _diverge(ctx: Context, sandbox: dict[str, Any], pid: int | None, memory_mib: int) -> float | None:
+    """Run the workload; seconds until 80 % of the guest RAM it made private is back (None: not local)."""
+    before = private_mib(pid, memory_mib) if pid is not None else 0.0
     await ctx.client.run(sandbox, ALLOCATE)
     await ctx.client.run(sandbox, FILES)
     if pid is None:
         return None
     freed_at = time.monotonic()
-    peak = private_mib(pid)
+    peak = private_mib(pid, memory_mib)
     goal = peak - RETURNED_SHARE * (peak - before)
-    while private_mib(pid) > goal:
+    while private_mib(pid, memory_mib) > goal:
         if time.monotonic() - freed_at > RETURN_TIMEOUT_S:
             return RETURN_TIMEOUT_S
         await asyncio.sleep(POLL_S)
@@ -59,8 +77,9 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         fresh = (host_used_mib() - before) / len(live) if local else None
         pids = ctx.node.sandbox_pids()
+        memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
         returns = await bounded(
-            CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"])) for s in live]
+            CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"]), memory_mib) for s in live]
         )
         failed = [str(r) for r in returns if isinstance(r, BaseException)]
         ksmd = [pid] if ctx.node.memory_merge and (pid := ksmd_pid()) is not None else []
@@ -68,7 +87,6 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.divergence_idle_s
         diverged = (host_used_mib() - before) / len(live) if local else None
-        memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
     note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
     if ctx.node.memory_merge:
         note += f", KSM on: {merged_mib():.0f} MiB saved, ksmd {ksmd_cores:.2f} cores while idle"
