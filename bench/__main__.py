@@ -1,7 +1,7 @@
 """Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
-                    [--seed HOME] [--memory-merge]
+                    [--seed HOME] [--memory-merge] [--rollout-counts N[,N]]
 
 Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
 builds the `base` template, or takes the one of the node home given by --seed) unless AENV_URL
@@ -34,6 +34,16 @@ def _names(value: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown figure {', '.join(unknown)}; known: {', '.join(FIGURES)}")
     return names
+
+
+def _counts(value: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(n) for n in value.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of positive counts: {value!r}")
+    return counts
 
 
 def _terminate(pid: int) -> Callable[[int, FrameType | None], None]:
@@ -69,6 +79,9 @@ def main() -> int:
     parser.add_argument(
         "--scale-full", action="store_true", help="cluster-scale at 1,000 nodes and 100,000 sandboxes"
     )
+    parser.add_argument(
+        "--rollout-counts", type=_counts, metavar="N[,N]", help="concurrent rollouts (default: the mode's)"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -81,6 +94,7 @@ def main() -> int:
         soak_cycles=args.soak_cycles,
         memory_merge=args.memory_merge,
         scale_full=args.scale_full,
+        rollout_counts=args.rollout_counts,
     )
     try:
         return run(options)

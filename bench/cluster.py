@@ -33,6 +33,7 @@ from pathlib import Path
 
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.cluster.client import SchedulerClient
+from aenv.cluster.model import Placement
 from aenv.config import Settings
 from aenv.devcluster import (
     ClusterProcess,
@@ -42,6 +43,7 @@ from aenv.devcluster import (
     scheduler_process,
 )
 from aenv.devnode import DevNode
+from aenv.orchestrator.ids import new_sandbox_id
 
 from .client import NodeClient
 from .context import SETTLE, Context, bounded
@@ -107,25 +109,25 @@ async def _create_rows(ctx: Context, redis: RedisServer, workdir: Path) -> list[
         )  # fmt: skip
         with dev:
             scheduler = SchedulerClient(scheduler_url, secret)
-            try:
-                await _joined(scheduler, 1)
-            finally:
-                await scheduler.close()
             node = Node(dev.url, dev.key, home=dev.home, pid=dev.pid, warm_pool=Settings.warm_pool_size)
             direct = NodeClient(node, headers={CLUSTER_SECRET_HEADER: secret})
             through = NodeClient(Node(front.url, front.key))
             try:
+                await _joined(scheduler, 1)
                 samples = await _alternating_creates(ctx, node, {"direct": direct, "gateway": through})
+                places = [await _place(scheduler, ctx.template_id) for _ in range(ctx.plan.cluster_create)]
             finally:
+                await scheduler.close()
                 await direct.aclose()
                 await through.aclose()
     floor = statistics.median(samples["direct"])
     note = (
         f"samples alternate with creates on the node's own API, after one unmeasured create each; before "
         f"each, the node's {node.warm_pool} warm VMs were ready and {SETTLE:g} s passed; floor: the median "
-        "direct create"
+        "direct create; place_ms: the gateway's placement round trip alone (scheduler and Redis), "
+        "the one hop a create through the gateway adds besides its own"
     )
-    details = {"direct_ms": samples["direct"]}
+    details = {"direct_ms": samples["direct"], "place_ms": places}
     figure = summarize("create through the gateway (warm pool)", samples["gateway"])
     return [Row("cluster-create", figure, floor, "direct on the node", note=note, details=details)]
 
@@ -147,6 +149,16 @@ async def _alternating_creates(
             samples[path].append(ms_since(started))
             await client.kill(sandbox["sandboxID"])
     return samples
+
+
+async def _place(scheduler: SchedulerClient, template_id: str) -> float:
+    """One placement as a gateway's create makes it (naming its sandbox), in ms; then unbound."""
+    sandbox_id = new_sandbox_id()
+    started = time.perf_counter()
+    node = await scheduler.place(Placement(template=template_id, sandbox_id=sandbox_id))
+    elapsed = ms_since(started)
+    await scheduler.unbind(sandbox_id, node.node_id)
+    return elapsed
 
 
 async def _refilled(node: Node, template_id: str) -> None:

@@ -29,7 +29,7 @@ from .targets import TARGETS
 RESERVE_MIB = 1024
 MAX_CREATE_FAILURES = 3  # one failed create may be a hiccup; this many say the host has had enough
 CREATE_CONCURRENCY = 4
-# A create answered 503 (the node is overloaded: its guest was starved of CPU) is tried again, as
+# A create answered 429 (no room now) or 503 (its guest was starved of CPU) is tried again, as
 # a client should; the row's note counts these.
 OVERLOAD_RETRIES = 5
 OVERLOAD_BACKOFF_S = 2.0
@@ -111,7 +111,7 @@ async def density(ctx: Context) -> list[Row]:
                     await sandboxes.create()
                     return
                 except BenchError as exc:
-                    if exc.status != 503 or attempt == OVERLOAD_RETRIES:
+                    if exc.status not in (429, 503) or attempt == OVERLOAD_RETRIES:
                         raise
                 retried += 1
                 await asyncio.sleep(OVERLOAD_BACKOFF_S)
@@ -184,7 +184,7 @@ async def density(ctx: Context) -> list[Row]:
         details["ksm_saved_mib"] = saved_mib
     reached = f"{len(ids)} created in {create_s:.0f} s"
     if retried:
-        reached += f", {retried} creates answered 503 (node overloaded) and tried again"
+        reached += f", {retried} creates answered 429 or 503 (node full or overloaded) and tried again"
     if stop_reason:
         reached += f" (stopped: {stop_reason})"
     elif failures:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from aenv.guest.artifacts import ensure_guest_artifacts
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.engine import GuestInit, SnapshotEngine
-from aenv.snapshot.repository import SnapshotRepository
 from aenv.vmm.accel import accelerator_from_env
 
 from .stats import HEADER, Figure, ms_since, summarize

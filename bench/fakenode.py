@@ -8,13 +8,14 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aenv.orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, Unavailable
+from aenv.agent.envd import ENVD_VERSION
+from aenv.orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, Overloaded
 from aenv.orchestrator.housekeeping import GcTotals
 from aenv.orchestrator.interface import BuildTicket, CreateRequest, FileLink, ListQuery, NodeStatus
 from aenv.orchestrator.local import matches
 from aenv.orchestrator.states import State
 from aenv.orchestrator.store import SandboxRecord
-from aenv.snapshot.manifest import MachineShape, SnapshotManifest
+from aenv.repository.manifest import MachineShape, SnapshotManifest
 from aenv.template.steps import BuildRequest
 
 _ids = itertools.count(1)
@@ -56,7 +57,7 @@ class FakeNode:
 
     async def create(self, request: CreateRequest) -> SandboxRecord:
         if self.full:
-            raise Unavailable(f"node {self.node_id} is full")
+            raise Overloaded(f"node {self.node_id} is full")
         if request.template not in self.templates:
             raise NotFound(f"template '{request.template}' not found")
         started = f"2026-01-01T00:00:{next(_ids) % 60:02d}+00:00"
@@ -64,8 +65,8 @@ class FakeNode:
             sandbox_id=request.sandbox_id or f"s{self.node_id}{next(_ids)}", template_id=request.template,
             alias="base", state=State.RUNNING, created_at=started, started_at=started, end_at=started,
             timeout=1, auto_pause=False, auto_resume=False, cpu_count=1, memory_mb=512, disk_size_mb=1024,
-            envd_version="0", metadata=request.metadata, env_vars=request.env_vars, envd_token="envd-token",
-            generation=1,
+            envd_version=ENVD_VERSION, metadata=request.metadata, env_vars=request.env_vars,
+            envd_token="envd-token", generation=1,
         )  # fmt: skip
         self.sandboxes[sandbox.sandbox_id] = sandbox
         return sandbox

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv.network.netns import SandboxNetwork
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.layers import LayerStore
-from aenv.storage.runtime import LocalRuntime
+from aenv.repository.posix import SnapshotRepository
+from aenv.runtime.layers import LayerStore
+from aenv.runtime.resolvers import LocalRuntime
 from aenv.vmm import migration
 from aenv.vmm.envd_link import EnvdLink
 from aenv.vmm.launcher import create_upper_layer, guest_machine

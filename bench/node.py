@@ -26,7 +26,8 @@ from typing import Any
 from aenv.config import Settings
 from aenv.devnode import DevNode
 from aenv.paths import repository_dir
-from aenv.snapshot.repository import RepositoryError, SnapshotRepository
+from aenv.repository.errors import RepositoryError
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.warm import WarmRecord
 
 REPO = Path(__file__).resolve().parents[1]

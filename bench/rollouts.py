@@ -18,22 +18,43 @@ Measured here (quick, 2 cores, TCG): 1 rollout alone 88/min, tool call p50 26 ms
 none failed; fan-out of 100 38.8 s against 35.9 s for as many bare restores each running a
 command (1.08x); reset 485 ms against a parked resume's 53 ms (9.2x); a rollout that resets its
 sandbox 501 ms against 698 ms for one that creates and kills (0.72x).
+Full mode (2 rounds per worker; 2 cores, TCG, the host shared), after the fixes below: 1 alone
+91/min, tool call p50 25 ms, p99 279 ms; 16 at once 131/min, p99 3.3 s (12x), node API p99
+9 ms; 64 at once 83/min, p99 22 s (80x), API p99 94 ms (max 238 ms); 256 at once (a
+connection each) 60/min, all 512 done, p50 8.5 s, p99 82 s (285x), API p99 1.2 s (max 5 s).
+Host CPU was 100 % busy in every concurrent run, the node process 4-8 % of it: the rest is
+QEMU's, translating (TCG). Fan-out of 100 0.77-0.92x; reset 466-491 ms against a parked
+resume's 49-55 ms (8.4-10x); reuse 0.65-0.67x. Before the fixes the API p99 was 145-185 ms
+at 16-256 (py-spy: the node's loop 52 % busy, 19 % of it making pool networks, 7 % of that
+parsing the host's address dump, which grew with the sandboxes: now cached and filtered,
+`aenv.network.egress.denied_host_addresses`; 2 % unlinking killed sandboxes' disks, now in a
+thread). At 256 the loop still makes every pool network itself (17 % of it at 64).
+
+Each concurrent row's note gives the node API's p99 and how the host's CPU split between the
+node process and QEMU: the evidence of what bounds it under TCG.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 import uuid
-from typing import Any
+from collections import Counter
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
 from aenv.agent.envd import ENVD_PORT
 
-from .context import Context, Sandboxes, bounded
+from .client import NodeClient
+from .context import Context, Sandboxes, bounded, host_busy_ticks
 from .node import BenchError
+from .probe import Probe
 from .report import Row
 from .stats import ms_since, percentile, summarize
 
@@ -42,6 +63,9 @@ TOOL_CALLS = 8
 # too few samples for one (the first call in a new QEMU process is the slowest, ~270 ms here).
 ALONE_ROUNDS = 4
 REWARD = "/tmp/reward.txt"
+T = TypeVar("T")
+CONNECTIONS = 64  # the harness client's, as `NodeClient` has by default
+PROBED = ("/health", "/sandboxes")  # the node API while the rollouts run: its loop, and a listing
 
 
 def _guest(sandbox: dict[str, Any]) -> dict[str, str]:
@@ -87,13 +111,13 @@ async def tool_calls(ctx: Context, sandbox: dict[str, Any], latencies: list[floa
 
 
 async def _create(ctx: Context, snapshot: str) -> dict[str, Any]:
-    """A create from the snapshot; a node that is full (503) is asked again a moment later, as a
-    harness's creation limiter would (verifiers #1034)."""
+    """A create from the snapshot; a node that is full (429) or overloaded (503) is asked again a
+    moment later, as a harness's creation limiter would (verifiers #1034)."""
     for _ in range(600):
         try:
             return await ctx.client.create(snapshot)
         except BenchError as exc:
-            if exc.status != 503:
+            if exc.status not in (429, 503):
                 raise
             await asyncio.sleep(0.5)
     raise BenchError("the node stayed full for 5 minutes")
@@ -117,34 +141,111 @@ async def prepared(ctx: Context, sandboxes: Sandboxes) -> str:
     return snapshot["snapshotID"]
 
 
-async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> tuple[list[float], float, int]:
-    """Tool-call latencies, rollouts per minute and failed rollouts of `count` at once, each
-    worker running `rounds` rollouts one after the other."""
+@dataclass
+class CpuSplit:
+    """The host's CPU over a run: how busy it was, and the node process's share of that. What is
+    not the node's (nor the harness's, small beside it) is QEMU's: under TCG, each new process
+    translating the guest's code afresh."""
+
+    busy: float  # of all the host's CPU time
+    node: float  # of the busy time
+
+    @classmethod
+    async def over(cls, pid: int | None, run: Awaitable[T]) -> tuple[T, CpuSplit | None]:
+        busy, total = host_busy_ticks()
+        node = _process_ticks(pid)
+        result = await run
+        busy_now, total_now = host_busy_ticks()
+        node_now = _process_ticks(pid)
+        if node is None or node_now is None or busy_now == busy:
+            return result, None
+        return result, cls((busy_now - busy) / (total_now - total), (node_now - node) / (busy_now - busy))
+
+    def note(self) -> str:
+        return f"host CPU {self.busy:.0%} busy, {self.node:.0%} of that the node process, the rest QEMU's"
+
+
+def _process_ticks(pid: int | None) -> int | None:
+    """utime + stime of a process, in clock ticks (as /proc/stat counts them)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+@dataclass
+class Concurrent:
+    """What `count` rollouts at once measured."""
+
+    latencies: list[float]  # tool calls, ms
+    per_minute: float  # rollouts that succeeded
+    failed: int
+    api: dict[str, list[float]]  # the node API's latencies (ms) per probed path, throughout
+    errors: Counter[str]  # the failed rollouts' errors, by their message's start
+    cpu: CpuSplit | None  # where the host's CPU went meanwhile (a node on this host only)
+
+    def failures_note(self) -> str:
+        return "; ".join(f"{count}x {message}" for message, count in self.errors.most_common(3))
+
+    def api_note(self) -> str:
+        return "; ".join(
+            f"API {path} p99 {percentile(samples, 0.99):.0f} ms (max {max(samples):.0f}, n={len(samples)})"
+            for path, samples in self.api.items()
+            if samples
+        )
+
+
+async def concurrent(ctx: Context, snapshot: str, count: int, rounds: int) -> Concurrent:
+    """`count` rollouts at once, each worker running `rounds` of them one after the other, with
+    the node API probed every 100 ms meanwhile (`bench.probe`)."""
     latencies: list[float] = []
+    errors: Counter[str] = Counter()
     await ctx.host_quiet()
-    started = time.perf_counter()
+    # A connection each, as `count` harness processes would have: with fewer, creates queue for
+    # one and time out (aiohttp's connect timeout covers that wait), which the node never saw.
+    client = NodeClient(ctx.node, max_connections=max(CONNECTIONS, count))
+    own = dataclasses.replace(ctx, client=client)
 
     async def worker() -> None:
-        for _ in range(rounds):
-            await rollout(ctx, snapshot, latencies)
+        for _ in range(rounds):  # a failed rollout is counted, and the worker goes on with the next
+            try:
+                await rollout(own, snapshot, latencies)
+            except Exception as exc:
+                errors[f"{type(exc).__name__}: {exc}"[:160]] += 1
 
-    outcomes = await asyncio.gather(*(worker() for _ in range(count)), return_exceptions=True)
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    minutes = (time.perf_counter() - started) / 60
-    return latencies, (count * rounds - len(failed)) / minutes, len(failed)
+    try:
+        async with Probe(ctx.node.url, ctx.node.api_key, PROBED) as probe:
+            started = time.perf_counter()
+            _, cpu = await CpuSplit.over(ctx.node.pid, asyncio.gather(*(worker() for _ in range(count))))
+            minutes = (time.perf_counter() - started) / 60
+    finally:
+        await client.aclose()
+    failed = errors.total()
+    return Concurrent(latencies, (count * rounds - failed) / minutes, failed, probe.latencies, errors, cpu)
 
 
 async def concurrent_rows(ctx: Context, snapshot: str) -> list[Row]:
-    alone, rate, _ = await concurrent(ctx, snapshot, 1, ALONE_ROUNDS * ctx.plan.rollout_rounds)
-    floor = percentile(alone, 0.99)
-    rows = [
-        Row("rollout-1", summarize("1 rollout: tool-call latency", alone), note=f"{rate:.0f} rollouts/min")
-    ]
+    alone = await concurrent(ctx, snapshot, 1, ALONE_ROUNDS * ctx.plan.rollout_rounds)
+    floor = percentile(alone.latencies, 0.99)
+    figure = summarize("1 rollout: tool-call latency", alone.latencies)
+    rows = [Row("rollout-1", figure, note=f"{alone.per_minute:.0f} rollouts/min; {alone.api_note()}")]
     for count in ctx.plan.rollout_counts:
-        latencies, rate, failed = await concurrent(ctx, snapshot, count, ctx.plan.rollout_rounds)
-        note = f"{rate:.0f} rollouts/min; {failed} failed" + ("" if not failed else " (see the node log)")
-        figure = summarize(f"{count} concurrent rollouts: tool-call latency", latencies)
-        details = {"rollouts_per_min": round(rate, 1), "failed": failed}
+        run = await concurrent(ctx, snapshot, count, ctx.plan.rollout_rounds)
+        note = f"{run.per_minute:.0f} rollouts/min; {run.failed} failed"
+        note += (f" ({run.failures_note()})" if run.failed else "") + f"; {run.api_note()}"
+        note += f"; {run.cpu.note()}" if run.cpu else ""
+        figure = summarize(f"{count} concurrent rollouts: tool-call latency", run.latencies)
+        details = {
+            "rollouts_per_min": round(run.per_minute, 1),
+            "failed": run.failed,
+            "api_p99_ms": {path: percentile(samples, 0.99) for path, samples in run.api.items() if samples},
+            "api_max_ms": {path: max(samples) for path, samples in run.api.items() if samples},
+            "host_cpu_busy": None if run.cpu is None else round(run.cpu.busy, 3),
+            "node_share_of_busy": None if run.cpu is None else round(run.cpu.node, 3),
+        }
         rows.append(
             Row(f"rollout-{count}", figure, floor, "tool-call p99 of 1 rollout", note=note, details=details)
         )

@@ -70,10 +70,13 @@ class Options:
     soak_cycles: int | None = None  # instead of the mode's
     memory_merge: bool = False  # the harness's node merges equal pages, with KSM on for the run
     scale_full: bool = False  # cluster-scale at its full size
+    rollout_counts: tuple[int, ...] | None = None  # instead of the mode's
 
     @property
     def plan(self) -> Plan:
         plan = replace(MODES[self.mode], scale_full=self.scale_full)
+        if self.rollout_counts is not None:
+            plan = replace(plan, rollout_counts=self.rollout_counts)
         return plan if self.soak_cycles is None else replace(plan, soak=self.soak_cycles)
 
     @property

@@ -79,7 +79,7 @@ IDLE = 10.0  # seconds the heartbeat load is counted over
 LIST_BUDGET = 60.0  # seconds the paged list may take
 PAGE = 100
 JOIN_TIMEOUT = 600.0
-RETRIES = 5  # a create answered 503 is retried this often, RETRY_PAUSE s apart
+RETRIES = 5  # a create answered 429 or 503 is retried this often, RETRY_PAUSE s apart
 RETRY_PAUSE = 0.5
 
 
@@ -146,21 +146,22 @@ async def _place(
     clients: list[NodeClient], count: int
 ) -> tuple[list[float], list[float], list[str], list[str]]:
     """`count` creates over the gateways in `BATCHES` batches: placements per second of each
-    batch, each create's milliseconds (its retries included), the sandbox ids, the 503s retried."""
+    batch, each create's milliseconds (its retries included), the sandbox ids, the 429s and 503s retried."""
     rates: list[float] = []
     latencies: list[float] = []
     ids: list[str] = []
     retried: list[str] = []
 
     async def create(client: NodeClient) -> None:
-        """One create, retried after a 503 (the scheduler overloaded) as a client would."""
+        """One create, retried after a 429 (no room now) or 503 (the scheduler overloaded), as a
+        client would."""
         started = time.perf_counter()
         for attempt in range(RETRIES + 1):
             try:
                 sandbox = await client.create(LIGHT_TEMPLATE)
                 break
             except BenchError as exc:
-                if exc.status != 503 or attempt == RETRIES:
+                if exc.status not in (429, 503) or attempt == RETRIES:
                     raise
                 retried.append(str(exc))
                 await asyncio.sleep(RETRY_PAUSE)
@@ -302,7 +303,7 @@ def _rows(
     down = summarize(f"a dead node's time to down (down_after {DOWN_AFTER:g} s)", [d * 1000 for d in downs])
     return [
         Row("cluster-scale-placement", placement,
-            note=f"{shape}; {CONCURRENCY} in flight per gateway; {retried} creates answered 503 and retried"),
+            note=f"{shape}; {CONCURRENCY} in flight per gateway; {retried} creates refused and retried"),
         Row("cluster-scale-create", summarize("create through a gateway, under that load", creates)),
         Row("cluster-scale-connect", summarize("connect through a gateway (one at a time)", connects)),
         Row("cluster-scale-kill", summarize("kill through a gateway (one at a time)", kills)),

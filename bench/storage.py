@@ -3,7 +3,7 @@ on demand and fetched whole, against the same create with the cache warm; the re
 throughput; the runtime cache's hit rate under a workload larger than its capacity.
 
 The node under test keeps a posix repository, so these figures bring their own: the SeaweedFS the
-tests start (`tests.storage.seaweed`), into which the `base` template of the harness node's home
+tests start (`aenv.devs3`), into which the `base` template of the harness node's home
 is uploaded (that upload is the throughput figure), and one `aenv server` (`DevNode`, its own
 network slots) per cold sample, on a fresh home with an s3 repository, so its runtime cache starts
 empty. A cold sample is that node's first create: wall clock from ``POST /sandboxes`` to the
@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from aenv.devnode import DevNode
+from aenv.devs3 import S3Server, seaweedfs
 from aenv.paths import layers_dir, repository_dir
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.cache import BlobCache
-from aenv.storage.chunks import ChunkIndex
-from aenv.storage.layers import LayerStore
-from aenv.storage.s3 import S3Location, S3Repository
-from tests.storage.seaweed import S3Server, seaweedfs
+from aenv.repository.chunks import ChunkIndex
+from aenv.repository.location import S3Location
+from aenv.repository.posix import SnapshotRepository
+from aenv.repository.s3 import S3Repository
+from aenv.runtime.cache import BlobCache
+from aenv.runtime.layers import LayerStore
 
 from .client import NodeClient
 from .context import Context

@@ -31,7 +31,7 @@ PACKAGES+=(gcc libc6-dev)
 PACKAGES+=(diod libseccomp2)
 # Cluster tests (tests/cluster): the scheduler keeps its shared state in a real Redis.
 PACKAGES+=(redis-server)
-# On-demand loading from an s3 repository (aenv.storage.lazyfs): libfuse3 and fusermount3.
+# On-demand loading from an s3 repository (aenv.runtime.lazyfs): libfuse3 and fusermount3.
 PACKAGES+=(fuse3)
 # The web console's xterm.js is installed with npm (make setup-console); the test suite drives the
 # official e2b npm SDK too: Node.js and npm, unless already installed.

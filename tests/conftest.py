@@ -70,8 +70,8 @@ def node_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engine(node_home: Path, guest_artifacts, node_loop: NodeLoop):
     from aenv.paths import repository_dir
+    from aenv.repository.posix import SnapshotRepository
     from aenv.snapshot.engine import SnapshotEngine
-    from aenv.snapshot.repository import SnapshotRepository
     from aenv.vmm.accel import accelerator_from_env
 
     repository = SnapshotRepository(repository_dir(node_home))

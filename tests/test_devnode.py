@@ -14,9 +14,10 @@ import pytest
 
 from aenv.devnode import DevNode, DevNodeError, netns_names, seed_home
 from aenv.paths import layers_dir, repository_dir
-from aenv.snapshot.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
-from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
-from aenv.storage.layers import LayerStore
+from aenv.repository.errors import SnapshotNotFound
+from aenv.repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.posix import SnapshotRepository
+from aenv.runtime.layers import LayerStore
 
 SLOT_FIRST = 14336  # apart from every other node the suite starts
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
+from .repository.location import is_s3_url
 
 BOOLEANS = {
     "1": True,
@@ -97,7 +98,7 @@ class Settings:
     # Each sandbox's serial console is kept as a ring of about this many MiB (aenv.vmm.serial).
     serial_log_mib: int = 8
     gc_interval: float = 600.0  # seconds between garbage collections (0: only at start)
-    # Where committed snapshots live (aenv.storage.open): a directory (posix_fs; empty means
+    # Where committed snapshots live (aenv.runtime.open): a directory (posix_fs; empty means
     # <home>/repository) or s3://BUCKET/PREFIX on an S3-compatible store, which then needs the
     # region; credentials come from s3_access_key/s3_secret_key or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY.
     repository: str = ""
@@ -106,8 +107,8 @@ class Settings:
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
     cache_capacity_mib: int = 20480  # the runtime cache of an s3 repository (files QEMU opens)
-    lazy_loading: bool = True  # an s3 repository's memory images load on demand (aenv.storage.lazyfs)
-    # Peer-to-peer blob transport (aenv.storage.peers), off by default: a node with an s3
+    lazy_loading: bool = True  # an s3 repository's memory images load on demand (aenv.runtime.lazyfs)
+    # Peer-to-peer blob transport (aenv.runtime.peers), off by default: a node with an s3
     # repository serves the blobs it holds whole to peers and asks peers before the store (every
     # blob is verified against its digest). Peers: the nodes the scheduler lists (in a cluster),
     # else p2p_peers, comma-separated base URLs (http://host:port).
@@ -162,7 +163,7 @@ class Settings:
             problems.append(f"log_format must be text or json, got {self.log_format!r}")
         if self.accel not in ("auto", "kvm", "tcg"):
             problems.append(f"accel must be auto, kvm or tcg, got {self.accel!r}")
-        if self.repository.startswith("s3://"):
+        if is_s3_url(self.repository):
             if not self.repository[5:].split("/", 1)[0]:
                 problems.append(f"repository must be s3://BUCKET/PREFIX, got {self.repository!r}")
             if not self.s3_region:

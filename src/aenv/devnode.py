@@ -31,9 +31,10 @@ import httpx
 
 from . import paths
 from .node import BASE_TEMPLATE
-from .snapshot.repository import SnapshotNotFound, SnapshotRepository
-from .storage import lazyfs
-from .storage.layers import LayerStore
+from .repository.errors import SnapshotNotFound
+from .repository.posix import SnapshotRepository
+from .runtime import lazyfs
+from .runtime.layers import LayerStore
 
 START_TIMEOUT = 600.0  # seconds; a fresh, unseeded home builds `base` first
 STOP_TIMEOUT = 180.0  # seconds for SIGTERM (the node pauses or kills its sandboxes) before SIGKILL

@@ -27,22 +27,27 @@ from prometheus_client import CollectorRegistry
 from . import __version__, logs, paths
 from .api import schemas
 from .api.fusion import Fusion
-from .api.runner import APIRunner
+from .api.runner import BACKLOG, APIRunner
 from .api.server import NodeAPI
 from .cluster.membership import Membership
+from .cluster.peers import SchedulerPeers
 from .config import Settings, load_settings
+from .events import EventBus, SandboxStopped
 from .guest.artifacts import GuestArtifacts, ensure_guest_artifacts
 from .network.pool import NetworkPool
 from .network.slots import SlotAllocator, SlotRangeBusy, SlotRangeLock
+from .orchestrator.handover import pause_metadata
 from .orchestrator.housekeeping import Housekeeper
 from .orchestrator.local import LocalNode
+from .orchestrator.mounting import stored_users
 from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
+from .repository.contract import Repository
+from .repository.errors import AliasConflict, SnapshotNotFound
+from .runtime.open import Storage, open_storage
+from .runtime.peers import BlobServer, Peers
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
-from .snapshot.repository import AliasConflict, SnapshotNotFound
-from .storage.open import Storage, open_storage
-from .storage.peers import BlobServer
 from .telemetry import Telemetry
 from .vmm import confine, merge, serial
 from .vmm.accel import choose_accelerator
@@ -80,6 +85,15 @@ def api_key(settings: Settings) -> str:
     return key
 
 
+def _cluster_peers(settings: Settings, node: str) -> Peers | None:
+    """In a cluster, the peers a node asks for blobs (with P2P on) are the scheduler's other nodes."""
+    return (
+        SchedulerPeers(settings.scheduler_url, node, settings.cluster_secret)
+        if settings.scheduler_url
+        else None
+    )
+
+
 def node_id(home: Path) -> str:
     path = home / "node-id"
     if not path.exists():
@@ -94,6 +108,7 @@ class Node:
         self.settings = settings
         self.runner: web.AppRunner | None = None
         self.networks: NetworkPool | None = None
+        self.engine: SnapshotEngine | None = None
         self.orchestrator: Orchestrator | None = None
         self.housekeeper: Housekeeper | None = None
         self.api: NodeAPI | None = None
@@ -115,8 +130,8 @@ class Node:
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         # Storage first: its on-demand loading mounts under the home, inside the VMMs' root.
-        self.storage = open_storage(settings, node_id(home))
-        self._confine_vmms(home, artifacts)
+        self.storage = open_storage(settings, node_id(home), _cluster_peers(settings, node_id(home)))
+        self._confine_vmms(home, artifacts, self.storage.repository.local_root)
         if settings.memory_merge:
             merge.enable()
         repository = self.storage.repository
@@ -128,38 +143,42 @@ class Node:
             slots=SlotAllocator(settings.slot_first, settings.slot_count),
         )
         parking = ParkingPolicy(max_seconds=settings.park_seconds, max_count=settings.park_max)
+        store = SandboxStore(home / "node.db")
+        events = EventBus()
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime, durable_pauses=self.storage.shared,
+            runtime=self.storage.runtime, durable_pauses=repository.shared, events=events,
+            describe=pause_metadata(store), warm_size=settings.warm_pool_size,
         )  # fmt: skip
+        self.engine = engine
         if leftovers := engine.cleanup_warm_leftovers():
             log.warning("ended %d warm VMs left by a node process that did not stop cleanly", leftovers)
         ids = IdRange(settings.volume_uid_base, GUEST_IDS)
-        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib)
+        volume_store = VolumeStore(home / "volumes", ids, settings.volume_max_mib, stored_users(store))
         volumes = SandboxVolumes(volume_store, VolumeServers(home / "runtime" / "volume-root", ids))
-        self.orchestrator = Orchestrator(settings, engine, SandboxStore(home / "node.db"), volumes)
-        volume_store.in_use = self.orchestrator.volume_users
+        self.orchestrator = Orchestrator(settings, engine, store, volumes)
         kept = await self.networks.start(keep=self.orchestrator.surviving_networks())
         await self.orchestrator.start(kept)
         if pending := engine.recover_pending():
             log.info("committing %d snapshots a previous node process answered but did not commit", pending)
-        template = await self._base_template(engine, settings)
+        template = await self._base_template(engine, repository, settings)
         # After recovery and the base template: collection must know every layer they use.
         self.housekeeper = Housekeeper(engine, settings.gc_interval)
         await self.housekeeper.start()
         for manifest in repository.list("template"):
-            await engine.pool.set_target(manifest.id, settings.warm_pool_size)
+            await engine.keep_warm(manifest.id)
         telemetry = Telemetry(CollectorRegistry())
         service = LocalNode(self.orchestrator, self.housekeeper, node_id(home), telemetry.observe)
         self.api = NodeAPI(
             service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store,
             telemetry=telemetry,
         )  # fmt: skip
-        self.orchestrator.on_stopped = self.api.proxy.release
+        proxy = self.api.proxy
+        events.subscribe(SandboxStopped, lambda stopped: proxy.release(stopped.sandbox_id))
         self.api.registry.register(self.orchestrator.reclaimer)
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
-        # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.storage.peers.
+        # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.runtime.peers.
         blobs = BlobServer(self.storage.cache if settings.p2p else None)
         if self.storage.peers is not None:
             self.api.registry.register(self.storage.peers)
@@ -176,7 +195,9 @@ class Node:
             auto_decompress=False,
         )
         await self.runner.setup()
-        await web.TCPSite(self.runner, settings.host, settings.port, reuse_address=True).start()
+        await web.TCPSite(
+            self.runner, settings.host, settings.port, reuse_address=True, backlog=BACKLOG
+        ).start()
         log.info(
             "listening on http://%s (template %s = %s, %d sandboxes restored) after %.1f s; "
             "E2B SDK: E2B_API_URL=E2B_SANDBOX_URL=http://%s E2B_API_KEY=<key>",
@@ -184,20 +205,17 @@ class Node:
             time.monotonic() - started, settings.api_addr,
         )  # fmt: skip
         if settings.scheduler_url:  # in a cluster: join it once the node serves
-            self.membership = Membership.for_node(settings, self.orchestrator, node_id(home))
-            self.orchestrator.on_changed = self.membership.changed
+            self.membership = Membership.for_node(
+                settings, self.orchestrator, repository, node_id(home), events
+            )
             await self.membership.start()
 
-    def _confine_vmms(self, home: Path, artifacts: GuestArtifacts) -> None:
+    def _confine_vmms(self, home: Path, artifacts: GuestArtifacts, repository: Path) -> None:
         """Every QEMU from now on: unprivileged, confined, limited, in a root holding only the
         files VMs use (aenv.vmm.confine, aenv.vmm.mountview)."""
         settings = self.settings
         identities = None
         if settings.vmm_confine:
-            if settings.repository.startswith("s3://"):
-                repository = home / "staging"  # templates' memory files, before upload
-            else:
-                repository = Path(settings.repository) if settings.repository else paths.repository_dir(home)
             writable = [paths.layers_dir(home), repository]  # top layers; templates' memory files
             readable = [home / name for name in VMM_READABLE]
             for directory in (*writable, *readable):
@@ -225,10 +243,10 @@ class Node:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""
         return self.settings.domain or f"localhost:{self.settings.port}"
 
-    async def _base_template(self, engine: SnapshotEngine, settings: Settings) -> str:
+    async def _base_template(self, engine: SnapshotEngine, repository: Repository, settings: Settings) -> str:
         """The `base` template: built at the first start, and again when this node cannot run it."""
         try:
-            manifest = engine.repository.get(BASE_TEMPLATE)
+            manifest = repository.get(BASE_TEMPLATE)
         except SnapshotNotFound:
             log.info("building the %s template (one boot, once per node)", BASE_TEMPLATE)
         else:
@@ -236,7 +254,7 @@ class Node:
             if problem is None:
                 return manifest.id
             log.warning("the %s template cannot run here (%s): building it again", BASE_TEMPLATE, problem)
-            engine.repository.delete(manifest.id, defer=True)
+            repository.delete(manifest.id, defer=True)
         try:
             manifest = await engine.build_template(
                 BASE_TEMPLATE, vcpus=settings.vcpus or None, memory_mib=settings.memory_mib
@@ -244,7 +262,7 @@ class Node:
         except AliasConflict:
             # Another node of the same shared repository built it meanwhile (two fresh nodes
             # started together): its build is as good as ours, which the repository withdrew.
-            manifest = engine.repository.get(BASE_TEMPLATE)
+            manifest = repository.get(BASE_TEMPLATE)
             if problem := await engine.incompatibility(manifest):
                 message = f"the {BASE_TEMPLATE} template another node built cannot run here: {problem}"
                 raise RuntimeError(message) from None
@@ -274,8 +292,8 @@ class Node:
 
     async def stop(self) -> int:
         """Stop everything; returns how many store operations were given up (still running)."""
-        if self.orchestrator is not None:
-            self.orchestrator.engine.stop_within(self.settings.stop_timeout)
+        if self.engine is not None:
+            self.engine.stop_within(self.settings.stop_timeout)
         if self.runner is not None:
             await self.runner.cleanup()
         if self.housekeeper is not None:
@@ -291,7 +309,7 @@ class Node:
         if self.storage is not None:
             self.storage.heartbeat.stop()
         log.info("node stopped")
-        return (self.orchestrator.engine.abandoned if self.orchestrator is not None else 0) + given_up
+        return (self.engine.abandoned if self.engine is not None else 0) + given_up
 
 
 async def serve(settings: Settings) -> None:

@@ -15,11 +15,11 @@ def home_dir() -> Path:
 
 
 def repository_dir(home: Path) -> Path:
-    """A node home's snapshot repository: templates and snapshots, the home's durable part."""
+    """A node home's repository: its templates and snapshots, the home's durable part."""
     return home / "repository"
 
 
 def layers_dir(home: Path) -> Path:
     """A node home's qcow2 disk layers, kept beside the repository (they name their backing files
-    by absolute path, see `aenv.storage.layers`)."""
+    by absolute path, see `aenv.runtime.layers`)."""
     return home / "layers"

@@ -220,6 +220,8 @@ def guest(engine, base_template, node_loop: NodeLoop, proxy_server: ProxyServer)
     finally:
         proxy_server.resolver.targets.clear()
         proxy_server.resolver.access.clear()
+        # As a node does for a stopped sandbox: streams to a VM that is gone would never end.
+        node_loop.loop.call_soon_threadsafe(proxy_server.proxy.close)
         manager.close()
 
 

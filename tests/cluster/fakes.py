@@ -8,7 +8,7 @@ import time
 
 from aenv.cluster.model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage, Placement
 from aenv.cluster.protocols import SandboxKilled
-from aenv.orchestrator.errors import Conflict, NotFound, Unavailable
+from aenv.orchestrator.errors import Conflict, NotFound, Overloaded
 from bench.fakenode import FakeNode, manifest
 
 __all__ = ["FakeNode", "FakeScheduler", "manifest", "node_info"]
@@ -62,7 +62,7 @@ class FakeScheduler:
             n for n in self.infos.values() if n.status == NodeState.UP and n.node_id not in request.exclude
         ]
         if not candidates:
-            raise Unavailable("no node has room")
+            raise Overloaded("no node has room")
         load = {n.node_id: 0 for n in candidates}
         for binding in self.bound.values():
             if binding.node_id in load:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import secrets
@@ -33,13 +34,22 @@ from aenv import devcluster, paths
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.devcluster import ClusterProcess, RedisServer
 from aenv.devnode import DevNode
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.layers import LayerStore
-from aenv.storage.protocols import Repository
-from aenv.storage.s3 import S3Location, S3Repository
+from aenv.devs3 import seaweedfs
+from aenv.repository.contract import Repository
+from aenv.repository.location import S3Location
+from aenv.repository.posix import SnapshotRepository
+from aenv.repository.s3 import S3Repository
+from aenv.runtime.layers import LayerStore
 from bench.soak import footprint
-from tests.e2e.conftest import sandboxes, wait_until
-from tests.e2e.test_console import browser, test_console_terminal_across_pause_and_resume
+from tests.e2e.conftest import Sandboxes, sandboxes, wait_until
+from tests.e2e.test_console import (
+    ROWS_JS,
+    SLOW_MS,
+    browser,
+    log_in,
+    test_console_terminal_across_pause_and_resume,
+    wait_for_line,
+)
 from tests.e2e.test_js_sdk import test_js_sdk_smoke
 from tests.e2e.test_sdk_async import asandboxes, test_async_files, test_async_host_list_lifecycle
 from tests.e2e.test_sdk_sync import (
@@ -49,7 +59,6 @@ from tests.e2e.test_sdk_sync import (
     test_list_filters_and_paging,
     test_pause_connect_keeps_processes_and_files,
 )
-from tests.storage.seaweed import seaweedfs
 from tests.vm.test_s3_two_nodes import s3_settings
 
 pytestmark = pytest.mark.vm
@@ -236,10 +245,13 @@ def test_the_python_sdk_through_a_gateway_uses_every_node(cluster: Cluster) -> N
     assert Sandbox.list(query=mine).next_items() == []
 
 
-def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(cluster: Cluster) -> None:
+def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     from e2b import Sandbox
 
     from aenv import rollouts
+    from aenv.cli import main
 
     key = uuid.uuid4().hex
     group = rollouts.fan_out(
@@ -261,6 +273,26 @@ def test_fan_out_spreads_over_nodes_and_checkpoints_reset_through_a_gateway(clus
         assert sandbox.files.read("/home/user/kept.txt") == "at the checkpoint"
         assert [c["name"] for c in rollouts.checkpoints(sandbox)] == ["start"]
         assert cluster.node_of(sandbox.sandbox_id) == homes[sandbox.sandbox_id]
+
+        # The CLI through the other gateway: its fan-out with the key finds the same sandboxes.
+        monkeypatch.setenv("AENV_URL", cluster.gateways[1].url)
+        monkeypatch.setenv("AENV_API_KEY", cluster.key)
+        capsys.readouterr()
+        assert main(["fanout", "base", "-n", str(2 * NODES), "--key", key, "-o", "json"]) == 0
+        listed = [r["sandbox"]["sandboxID"] for r in json.loads(capsys.readouterr().out)]
+        assert listed == [s.sandbox_id for s in group]
+        other = group[-1]
+        other.files.write("/home/user/cli.txt", "at the checkpoint")
+        assert main(["checkpoint", "create", other.sandbox_id, "--name", "cli", "-o", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["name"] == "cli"
+        other.files.write("/home/user/cli.txt", "changed")
+        assert main(["reset", other.sandbox_id, "cli", "-o", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["sandboxID"] == other.sandbox_id
+        assert other.files.read("/home/user/cli.txt") == "at the checkpoint"
+        assert main(["checkpoint", "rm", other.sandbox_id, "cli", "-o", "json"]) == 0
+        capsys.readouterr()
+        assert main(["checkpoint", "ls", other.sandbox_id, "-o", "json"]) == 0
+        assert json.loads(capsys.readouterr().out) == []
     finally:
         for sandbox in group:
             if isinstance(sandbox, Sandbox):
@@ -272,6 +304,35 @@ def test_gateway_nodes_list_the_cluster(cluster: Cluster) -> None:
         nodes = api.get("/nodes").raise_for_status().json()
     assert {n["id"] for n in nodes} == set(cluster.nodes)
     assert all(n["status"] == "up" and n["capacity"]["memoryMB"] > 0 and n["version"] for n in nodes)
+
+
+def test_the_console_through_a_gateway_names_each_sandbox_s_node(
+    cluster: Cluster, sandboxes: Sandboxes, browser: Any, tmp_path: Path
+) -> None:
+    """Sandboxes of two nodes, each with its node; the nodes view lists the cluster; a terminal
+    into a sandbox on another node than the first one's."""
+    from playwright.sync_api import expect
+
+    homes: dict[str, str] = {}  # placement spreads: NODES + 1 creates reach every node
+    while len(set(homes.values())) < 2 and len(homes) <= NODES:
+        sandbox_id = sandboxes.create(metadata={"view": "gateway"}).sandbox_id
+        homes[sandbox_id] = cluster.node_of(sandbox_id)
+    assert len(set(homes.values())) == 2, homes
+    page, shot = log_in(browser, cluster.gateways[0], tmp_path)
+    for sandbox_id, node_id in homes.items():
+        expect(page.locator(f'tr[data-id="{sandbox_id}"] td.node')).to_have_text(node_id, timeout=30_000)
+    shot("gateway-sandboxes")
+    page.click("nav button[data-view=nodes]")
+    expect(page.locator("main tbody tr")).to_have_count(NODES, timeout=30_000)
+    shot("gateway-nodes")
+    first = next(iter(homes.values()))
+    page.click("nav button[data-view=sandboxes]")
+    page.click(f"text={next(i for i, node_id in homes.items() if node_id != first)}")
+    page.wait_for_function(f"{ROWS_JS}.some(row => row.endsWith('$'))", timeout=SLOW_MS)  # the prompt
+    page.click("#terminal")
+    page.keyboard.type("echo across-$((40+2))\n")
+    wait_for_line(page, "across-42")
+    shot("gateway-terminal")
 
 
 def test_a_node_port_is_no_open_door(cluster: Cluster) -> None:

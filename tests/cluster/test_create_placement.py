@@ -15,8 +15,8 @@ from aenv.cluster.model import Binding, NodeInfo, Placement
 from aenv.cluster.scheduler import ClusterScheduler
 from aenv.cluster.state import ClusterState
 from aenv.orchestrator.errors import Conflict, InvalidRequest, NotFound
+from aenv.orchestrator.ids import SANDBOX_ID, chosen_id
 from aenv.orchestrator.interface import CreateRequest
-from aenv.orchestrator.service import SANDBOX_ID, chosen_id
 from aenv.orchestrator.store import SandboxRecord
 from tests.orchestrator.conftest import record
 
@@ -127,12 +127,12 @@ async def test_a_resume_placement_binds_nothing(redis_url: str) -> None:
 
 
 def test_a_node_takes_the_id_a_gateway_chose_and_nothing_else() -> None:
-    assert SANDBOX_ID.fullmatch(chosen_id(CreateRequest(template="base")))
+    assert SANDBOX_ID.fullmatch(chosen_id(None))
     chosen = "i" + "7" * 20
-    assert chosen_id(CreateRequest(template="base", sandbox_id=chosen)) == chosen
+    assert chosen_id(chosen) == chosen
     for bad in ("../etc", "I" + "a" * 20, "i" + "a" * 21, ""):
         with pytest.raises(InvalidRequest):
-            chosen_id(CreateRequest(template="base", sandbox_id=bad))
+            chosen_id(bad)
 
 
 @on_session_loop

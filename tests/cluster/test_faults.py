@@ -3,7 +3,7 @@ two `aenv gateway`s (each gateway names both schedulers) over light nodes (`benc
 the node's API and membership over in-memory sandboxes, each with room for `ROOM` sandboxes).
 
 A burst of creates goes through both gateways, `CONCURRENCY` at a time, more than the nodes have
-room for; a client whose gateway does not answer retries the other one, and one answered 503
+room for; a client whose gateway does not answer retries the other one, and one answered 429 or 503
 (no room, or the scheduler's Redis away) retries a few times. Mid-burst one part dies: a
 scheduler (kill -9), Redis (kill -9, restarted on its append-only file), or a gateway (kill -9).
 Afterwards every create the API acknowledged (201) exists exactly once: on one node, bound to
@@ -35,7 +35,7 @@ ROOM = 8  # sandboxes a light node has room for: the burst asks for more than al
 BURST = NODES * ROOM + 8
 CONCURRENCY = 8
 HEARTBEAT = 0.5
-NO_ROOM_RETRIES = 6  # a create answered 503 is retried this often, RETRY_PAUSE apart
+NO_ROOM_RETRIES = 6  # a create answered 429 or 503 is retried this often, RETRY_PAUSE apart
 RETRY_PAUSE = 0.5
 SETTLE = 30.0  # seconds the cluster gets to agree again after the burst
 
@@ -165,7 +165,7 @@ class Burst:
                 await client.aclose()
 
     async def _create(self, clients: list[httpx.AsyncClient], i: int) -> None:
-        """Through gateway i % 2, the other when it does not answer; a 503 is retried a few times."""
+        """Through gateway i % 2, the other when it does not answer; a 429 or 503 is retried a few times."""
         order = clients[i % 2 :] + clients[: i % 2]
         for attempt in range(NO_ROOM_RETRIES + 1):
             for client in order:
@@ -178,8 +178,9 @@ class Burst:
                     self.acknowledged.append(response.json()["sandboxID"])
                     self.outcomes["201"] += 1
                     return
-                assert response.status_code == 503, response.text  # no room, or Redis away: nothing else
-                self.outcomes["503"] += 1
+                # 429: no room now; 503: Redis away. Nothing else.
+                assert response.status_code in (429, 503), response.text
+                self.outcomes[str(response.status_code)] += 1
                 break
             if attempt < NO_ROOM_RETRIES:
                 await asyncio.sleep(RETRY_PAUSE)

@@ -198,6 +198,11 @@ async def test_list_merges_nodes_and_pages_across_them(cluster: Cluster) -> None
     await cluster.create(metadata={"job": "b"})
     everything = (await cluster.gateway.get("/v2/sandboxes", params={"metadata": "job=a"})).json()
     assert {s["sandboxID"] for s in everything} == ids
+    holders = {i: (await cluster.gateway.get(f"/sandboxes/{i}")).json()["clientID"] for i in ids}
+    assert {s["sandboxID"]: s["clientID"] for s in everything} == holders  # each names its node
+    assert set(holders.values()) == {"na", "nb"}
+    running = (await cluster.gateway.get("/sandboxes", params={"metadata": "job=a"})).json()
+    assert {s["sandboxID"]: s["clientID"] for s in running} == holders
     paged, token = [], None
     while True:
         params = {"metadata": "job=a", "limit": "2"} | ({"nextToken": token} if token else {})
@@ -247,7 +252,8 @@ async def test_a_full_node_or_one_without_the_template_passes_the_create_on(clus
     cluster.nodes["nb"].templates["base1"] = BASE
     cluster.nodes["nb"].full = True
     full = await cluster.gateway.post("/sandboxes", json={"templateID": "base1"})
-    assert full.status_code == 503 and "full" in full.json()["message"]
+    assert full.status_code == 429 and "full" in full.json()["message"]  # E2B's "no room now"
+    assert full.headers["Retry-After"] == "1"
     assert set(cluster.scheduler.bound) == set(created)  # every failed attempt let go of its binding
 
 

@@ -16,7 +16,7 @@ from aenv.cluster.membership import RECONCILE_EVERY, Membership, NodeReport
 from aenv.cluster.model import Binding, NodeState, NodeUsage
 from aenv.cluster.scheduler import ClusterScheduler, scheduler_app
 from aenv.cluster.state import ClusterState
-from tests.storage.seaweed import free_port
+from aenv.devnode import free_port
 
 from .test_placement import node
 

@@ -15,8 +15,8 @@ from aenv.cluster.model import Binding, NodeUsage, Placement
 from aenv.cluster.protocols import SandboxKilled
 from aenv.cluster.scheduler import ClusterScheduler, scheduler_app
 from aenv.cluster.state import ClusterState
+from aenv.devnode import free_port
 from aenv.orchestrator.errors import InvalidRequest, NotFound, Unavailable
-from tests.storage.seaweed import free_port
 
 from .test_placement import node
 
@@ -188,5 +188,5 @@ async def test_metrics_count_placements_binds_and_nodes(client: SchedulerClient,
     assert value("aenv_scheduler_bind_conflicts_total") == 1
     assert value("aenv_scheduler_nodes", state="up") == 1
     assert value("aenv_scheduler_nodes", state="draining") == 1
-    assert value("aenv_http_requests_total", route="/placements", method="POST", status="503") == 1
+    assert value("aenv_http_requests_total", route="/placements", method="POST", status="429") == 1
     assert value("aenv_http_requests_total", route="/bindings/{sandbox_id}", method="PUT", status="409") == 1

@@ -111,6 +111,11 @@ NOT_RUN: dict[tuple[str, str], str] = {
     "`sandbox-fusion` client calls against a node started with a token",
     (
         "README.md",
+        "import asyncio\n\nfrom e2b import AsyncSandbox",
+    ): "256 sandboxes need a cluster: tests/cluster/test_sdk_load.py makes the same SDK calls, 256 at "
+    "once, through a gateway over two nodes",
+    (
+        "README.md",
         "pip install 'harbor[e2b]'",
     ): "needs Python 3.12 and Harbor from PyPI: tests/e2e/test_harbor.py runs the same `harbor run` "
     "from a trixie tree against a node and a gateway",

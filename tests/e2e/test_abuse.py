@@ -29,7 +29,7 @@ from e2b import CommandExitException, Sandbox
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 
 from aenv.devnode import DevNode
-from aenv.orchestrator.service import DISK_SIZE_MB
+from aenv.orchestrator.launch import DISK_SIZE_MB
 
 from .conftest import NodeServer, Sandboxes, run_in
 

@@ -1,4 +1,5 @@
-"""A node killed with SIGKILL while sandboxes are paused and running loses none of them.
+"""A node killed with SIGKILL while sandboxes are paused and running loses none of them, nor
+their checkpoints.
 
 Runs on the session's node: crash it, start it again on the same home and port (a second
 node would cost a second template build).
@@ -10,6 +11,8 @@ import os
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
+
+from aenv import rollouts
 
 from .conftest import NodeServer, Sandboxes, wait_until
 
@@ -31,10 +34,12 @@ def crash_with(sandboxes: Sandboxes, node: NodeServer) -> dict:
     paused = sandboxes.create(metadata={"restart": "paused"})
     paused.files.write("/tmp/state", "paused before the crash")
     paused_pid = paused.commands.run("sleep 3600", background=True).pid
+    rollouts.checkpoint(paused, "kept")
     assert paused.pause()
 
     running = sandboxes.create(metadata={"restart": "running"}, timeout=600)
     running.files.write("/tmp/state", "running at the crash")
+    rollouts.checkpoint(running, "before-counter")
     counter = running.commands.run(COUNTER, background=True)
     counter.disconnect()
     wait_until(lambda: running.files.exists("/tmp/count"), 20, what="the counter")
@@ -65,6 +70,7 @@ def test_sigkill_restart_keeps_every_sandbox(sandboxes: Sandboxes, crashable_nod
     resumed = Sandbox.connect(paused_id)
     assert resumed.files.read("/tmp/state") == "paused before the crash"
     assert paused_pid in [p.pid for p in resumed.commands.list()]
+    assert [c["name"] for c in rollouts.checkpoints(resumed)] == ["kept"]  # checkpoints outlive the crash
 
     assert running_id in listed, "the sandbox running at the crash was lost"
     assert listed[running_id].state in (SandboxState.PAUSED, SandboxState.RUNNING)
@@ -73,6 +79,9 @@ def test_sigkill_restart_keeps_every_sandbox(sandboxes: Sandboxes, crashable_nod
     assert counter_pid in [p.pid for p in adopted.commands.list()]
     before = int(adopted.files.read("/tmp/count"))
     wait_until(lambda: int(adopted.files.read("/tmp/count")) > before, 20, what="the counter to go on")
+    rollouts.reset(adopted, "before-counter")  # a checkpoint taken before the crash still resets
+    assert adopted.files.read("/tmp/state") == "running at the crash"
+    assert not adopted.files.exists("/tmp/count")
     assert adopted.kill()
     assert resumed.kill()
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from aenv.api.server import STATUS
+from aenv.api.status import STATUS
 from aenv.orchestrator.admission import Admission, free_disk_mib, meminfo_mib
-from aenv.orchestrator.errors import InsufficientStorage, Unavailable
+from aenv.orchestrator.errors import InsufficientStorage, Overloaded
 
 
 def admission(
@@ -24,19 +24,19 @@ def test_within_every_limit_nothing_is_refused(tmp_path: Path) -> None:
     admission(tmp_path, committed=3584).check_start("create a sandbox", 512)
 
 
-def test_memory_beyond_the_budget_is_refused_with_503(tmp_path: Path) -> None:
-    with pytest.raises(Unavailable, match=r"3700 MiB of guest RAM.*512 MiB more.*4096 MiB") as refused:
+def test_memory_beyond_the_budget_is_refused_with_429(tmp_path: Path) -> None:
+    with pytest.raises(Overloaded, match=r"3700 MiB of guest RAM.*512 MiB more.*4096 MiB") as refused:
         admission(tmp_path, committed=3700).check_start("create a sandbox", 512)
-    assert STATUS[type(refused.value)] == 503
+    assert STATUS[type(refused.value)] == 429
 
 
-def test_memory_the_host_cannot_give_now_is_refused_with_503(tmp_path: Path) -> None:
-    with pytest.raises(Unavailable, match="300 MiB of memory available, less than the 512 MiB"):
+def test_memory_the_host_cannot_give_now_is_refused_with_429(tmp_path: Path) -> None:
+    with pytest.raises(Overloaded, match="300 MiB of memory available, less than the 512 MiB"):
         admission(tmp_path, available=300).check_start("resume sandbox x", 512)
 
 
-def test_no_network_slot_is_refused_with_503(tmp_path: Path) -> None:
-    with pytest.raises(Unavailable, match="0 free network slots, 1 needed"):
+def test_no_network_slot_is_refused_with_429(tmp_path: Path) -> None:
+    with pytest.raises(Overloaded, match="0 free network slots, 1 needed"):
         admission(tmp_path, slots=0).check_start("create a sandbox", 512)
     admission(tmp_path, slots=0).check_start("create a sandbox", 512, networks=0)  # a warm VM's network
     admission(tmp_path, slots=None).check_start("create a sandbox", 512)  # no pool: not counted

@@ -10,8 +10,8 @@ import pytest
 from aenv.cluster import wire
 from aenv.orchestrator import fanout
 from aenv.orchestrator.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from aenv.orchestrator.ids import SANDBOX_ID
 from aenv.orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult
-from aenv.orchestrator.service import SANDBOX_ID
 from aenv.orchestrator.store import SandboxRecord
 
 from .conftest import record as make_record

@@ -14,11 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from aenv.repository.errors import SnapshotNotFound
+from aenv.repository.manifest import SnapshotManifest
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.handover import Handover, PauseReclaimed, SandboxMoved, pause_alias
 from aenv.snapshot.host import StopDeadline
-from aenv.snapshot.manifest import SnapshotManifest
 from aenv.snapshot.model import SandboxState
-from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 from tests.snapshot.test_pending import captured, pending_of
 
 

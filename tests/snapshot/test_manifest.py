@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from aenv.snapshot.manifest import (
+from aenv.repository.manifest import (
     FORMAT_VERSION,
     MachineShape,
     ManifestError,

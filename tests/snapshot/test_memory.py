@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from aenv.repository.files import file_digest
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot import memory
-from aenv.snapshot.repository import SnapshotRepository, file_digest
 
 PAGES = 64
 

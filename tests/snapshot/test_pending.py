@@ -14,10 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from aenv.events import SnapshotFailed
+from aenv.repository.errors import SnapshotNotFound
+from aenv.repository.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.host import StopDeadline
-from aenv.snapshot.manifest import MachineShape, SnapshotManifest, new_snapshot_id, utc_now
 from aenv.snapshot.pending import DELTA, DEVICES, PENDING_MARK, PendingSnapshots, SnapshotPending
-from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 
 
 def digest(data: bytes) -> str:
@@ -124,7 +126,7 @@ def test_a_failed_commit_is_rolled_back_and_explained(repo: SnapshotRepository, 
     pending = pending_of(repo)
     manifest, directory = captured(repo, pending, alias="doomed")
     failed: list[SnapshotManifest] = []
-    pending.on_failed = failed.append
+    pending.events.subscribe(SnapshotFailed, lambda event: failed.append(event.manifest))
 
     def unwritable(_: SnapshotManifest) -> None:
         raise PermissionError("repository read-only")

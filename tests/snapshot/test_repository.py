@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv.snapshot import repository as repo_mod
-from aenv.snapshot.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
-from aenv.snapshot.repository import (
+from aenv.repository import posix as repo_mod
+from aenv.repository.errors import (
     AliasConflict,
     CorruptManifest,
     DigestMismatch,
@@ -25,11 +24,10 @@ from aenv.snapshot.repository import (
     SnapshotExists,
     SnapshotInUse,
     SnapshotNotFound,
-    SnapshotRepository,
-    data_extents,
-    file_digest,
-    sparse_copy,
 )
+from aenv.repository.files import data_extents, file_digest, sparse_copy
+from aenv.repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.posix import SnapshotRepository
 
 MIB = 1 << 20
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from aenv.snapshot import devstate
-from aenv.snapshot.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.layers import LayerStore
-from aenv.storage.runtime import LocalRuntime
+from aenv.repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.posix import SnapshotRepository
+from aenv.runtime.layers import LayerStore
+from aenv.runtime.resolvers import LocalRuntime
+from aenv.vmm import devstate
 
 HEADER = b"QEVM\x00\x00\x00\x03"
 PREFIX = HEADER + b"configuration and RAM section headers"

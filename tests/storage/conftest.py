@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .seaweed import S3Server, seaweedfs
+from aenv.devs3 import S3Server, seaweedfs
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +26,12 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def open_repo(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Callable[..., Any]:
     """Opens a repository instance (one per node) onto one shared store of the chosen backend."""
-    from aenv.snapshot.repository import SnapshotRepository
+    from aenv.repository.posix import SnapshotRepository
 
     if backend == "posix_fs":
         return lambda node="node-a", **options: SnapshotRepository(tmp_path / "repo", node=node, **options)
-    from aenv.storage.s3 import S3Location, S3Repository
+    from aenv.repository.location import S3Location
+    from aenv.repository.s3 import S3Repository
 
     server: S3Server = request.getfixturevalue("s3_server")
     location = S3Location(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from aenv.storage import cache as cache_mod
-from aenv.storage.cache import BlobCache
+from aenv.runtime import cache as cache_mod
+from aenv.runtime.cache import BlobCache
 
 MIB = 1 << 20
 

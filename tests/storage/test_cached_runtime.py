@@ -16,20 +16,13 @@ from pathlib import Path
 import pytest
 
 from aenv.config import Settings
-from aenv.snapshot.manifest import (
-    DIGEST_RE,
-    MachineShape,
-    RuntimeContext,
-    SnapshotManifest,
-    new_snapshot_id,
-    utc_now,
-)
-from aenv.storage import cache as cache_mod
-from aenv.storage.layers import LayerStore
-from aenv.storage.open import open_storage
-from aenv.storage.runtime import CachedRuntime
-
-from .seaweed import S3Server
+from aenv.devs3 import S3Server
+from aenv.repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.names import DIGEST_RE
+from aenv.runtime import cache as cache_mod
+from aenv.runtime.layers import LayerStore
+from aenv.runtime.open import open_storage
+from aenv.runtime.resolvers import CachedRuntime
 
 MIB = 1 << 20
 

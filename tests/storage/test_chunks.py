@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from aenv.storage.cache import BlobCache
-from aenv.storage.chunks import ChunkFile, ChunkIndex, ChunkMismatch, held_chunks, runs
-from aenv.storage.lazyfs import LazyMount, server_pid
+from aenv.devs3 import S3Server
+from aenv.repository.chunks import ChunkFile, ChunkIndex, ChunkMismatch, held_chunks, runs
+from aenv.runtime.cache import BlobCache
+from aenv.runtime.lazyfs import LazyMount, server_pid
 from tests.conftest import wait_for
-
-from .seaweed import S3Server
 
 C = 64 << 10  # a small chunk size keeps the files small
 
@@ -124,8 +123,9 @@ def test_partial_entries_are_counted_pinned_and_evicted(tmp_path: Path):
 
 def test_the_fuse_server_serves_a_stored_blob_as_a_mapping_reads_it(s3_server: S3Server, tmp_path: Path):
     """A real SeaweedFS and a real FUSE mount: an 8 MiB blob, a mapping reading two pages of it."""
-    from aenv.storage.chunks import CHUNK_SIZE
-    from aenv.storage.s3 import LAZY_MIN, S3Location, S3Repository
+    from aenv.repository.chunks import CHUNK_SIZE
+    from aenv.repository.location import S3Location
+    from aenv.repository.s3 import LAZY_MIN, S3Repository
 
     location = S3Location(
         bucket=s3_server.new_bucket(), prefix="p", endpoint=s3_server.endpoint, region=s3_server.region,
@@ -200,8 +200,8 @@ def test_the_fuse_server_ends_and_unmounts_with_its_node_process(s3_server: S3Se
     import subprocess
     import sys
 
-    from aenv.storage.lazyfs import _mounted
-    from aenv.storage.s3 import S3Location
+    from aenv.repository.location import S3Location
+    from aenv.runtime.lazyfs import _mounted
 
     location = S3Location(
         bucket=s3_server.new_bucket(), prefix="p", endpoint=s3_server.endpoint, region=s3_server.region,
@@ -209,8 +209,8 @@ def test_the_fuse_server_ends_and_unmounts_with_its_node_process(s3_server: S3Se
     )  # fmt: skip
     home = tmp_path / "home"
     node = (
-        "import sys, dataclasses; from pathlib import Path; from aenv.storage.lazyfs import LazyMount;"
-        "from aenv.storage.s3 import S3Location; home = Path(sys.argv[1]);"
+        "import sys, dataclasses; from pathlib import Path; from aenv.runtime.lazyfs import LazyMount;"
+        "from aenv.repository.location import S3Location; home = Path(sys.argv[1]);"
         "LazyMount.for_home(home, home / 'cache', S3Location(bucket=sys.argv[2], prefix='p',"
         " endpoint=sys.argv[3], access_key=sys.argv[4], secret_key=sys.argv[5])).ensure();"
         "print('ready', flush=True); sys.stdin.read()"

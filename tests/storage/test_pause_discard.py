@@ -20,19 +20,19 @@ from aiohttp.test_utils import TestServer
 from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.config import Settings
+from aenv.devs3 import S3Server
 from aenv.orchestrator.errors import NOT_SHARED
 from aenv.orchestrator.housekeeping import Housekeeper
 from aenv.orchestrator.local import LocalNode
 from aenv.orchestrator.service import Orchestrator
 from aenv.orchestrator.store import SandboxStore
+from aenv.repository.errors import SnapshotNotFound
+from aenv.repository.manifest import SnapshotManifest
+from aenv.repository.s3 import S3Repository
+from aenv.runtime.open import Storage, open_storage
 from aenv.snapshot.engine import SnapshotEngine
 from aenv.snapshot.handover import PAUSE_MARK, pause_alias
-from aenv.snapshot.manifest import SnapshotManifest
-from aenv.snapshot.repository import SnapshotNotFound
-from aenv.storage.open import Storage, open_storage
-from aenv.storage.s3 import S3Repository
 from aenv.vmm.accel import accelerator_from_env
-from tests.storage.seaweed import S3Server
 from tests.storage.test_repository_contract import manifest_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -48,7 +48,7 @@ async def node_client(
     storage = open_storage(settings, node)
     engine = SnapshotEngine(
         settings.home_path, storage.repository, artifacts, accelerator_from_env().accel,
-        runtime=storage.runtime, durable_pauses=storage.shared,
+        runtime=storage.runtime, durable_pauses=storage.repository.shared,
     )  # fmt: skip
     orchestrator = Orchestrator(settings, engine, SandboxStore(settings.home_path / "node.db"))
     service = LocalNode(orchestrator, Housekeeper(engine, settings.gc_interval), node)

@@ -1,4 +1,4 @@
-"""Peer-to-peer blob transport (`aenv.storage.peers`) between nodes sharing a real SeaweedFS bucket.
+"""Peer-to-peer blob transport (`aenv.runtime.peers`) between nodes sharing a real SeaweedFS bucket.
 
 Each node is its storage as `aenv server` opens it (`open_storage`) and, for the serving side,
 the node API's app with the blob route on a loopback port. Fetches run in a worker thread, as
@@ -25,12 +25,12 @@ from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.cluster.auth import CLUSTER_SECRET_HEADER
 from aenv.config import Settings
-from aenv.storage.chunks import CHUNK_SIZE, ChunkIndex
-from aenv.storage.open import Storage, open_storage
-from aenv.storage.peers import BlobServer
-from aenv.storage.runtime import CachedRuntime
+from aenv.devs3 import S3Server
+from aenv.repository.chunks import CHUNK_SIZE, ChunkIndex
+from aenv.runtime.open import Storage, open_storage
+from aenv.runtime.peers import BlobServer
+from aenv.runtime.resolvers import CachedRuntime
 
-from .seaweed import S3Server
 from .test_cached_runtime import snapshot_manifest
 
 KEY = "e2b_" + "2e" * 20
@@ -251,7 +251,7 @@ async def test_in_a_cluster_the_peers_are_the_schedulers_other_live_nodes():
     from aiohttp import web
 
     from aenv.cluster.model import NodeCapacity, NodeInfo, NodeState
-    from aenv.storage.peers import SchedulerPeers
+    from aenv.cluster.peers import SchedulerPeers
 
     secret, asked = secrets.token_hex(8), []
     capacity = NodeCapacity(memory_mib=1, vcpus=1, disk_free_mib=1)

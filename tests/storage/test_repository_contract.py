@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from aenv.snapshot.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
-from aenv.snapshot.repository import (
+from aenv.repository.errors import (
     AliasConflict,
     DigestMismatch,
     MissingBlob,
     SnapshotExists,
     SnapshotInUse,
     SnapshotNotFound,
-    SnapshotRepository,
 )
+from aenv.repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from aenv.repository.posix import SnapshotRepository
 
 MIB = 1 << 20
 

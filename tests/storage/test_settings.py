@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from aenv.config import ConfigError, load_settings
-from aenv.snapshot.repository import SnapshotRepository
-from aenv.storage.open import open_storage
+from aenv.repository.posix import SnapshotRepository
+from aenv.runtime.open import open_storage
 
 
 def test_no_settings_keep_the_posix_repository_under_home(tmp_path: Path):
@@ -73,7 +73,7 @@ def test_aws_variables_are_the_credentials(s3_server, tmp_path: Path, monkeypatc
 
 
 def test_s3_urls_name_bucket_and_prefix():
-    from aenv.storage.s3 import S3Location
+    from aenv.repository.location import S3Location
 
     location = S3Location.from_url("s3://bucket/a/b/", region="r")
     assert (location.bucket, location.prefix, location.region) == ("bucket", "a/b", "r")

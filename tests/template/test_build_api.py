@@ -24,11 +24,12 @@ from e2b.exceptions import BuildException, TemplateException
 from aenv.api import schemas
 from aenv.api.server import NodeAPI
 from aenv.config import Settings
+from aenv.events import EventBus
 from aenv.orchestrator.local import LocalNode
-from aenv.snapshot.manifest import RuntimeContext
-from aenv.snapshot.repository import SnapshotRepository
+from aenv.repository.manifest import RuntimeContext
+from aenv.repository.posix import SnapshotRepository
+from aenv.runtime.layers import LayerStore
 from aenv.snapshot.templates import Stage, StageFailed, StepBuild, TemplateBuilder
-from aenv.storage.layers import LayerStore
 from aenv.template.builds import TemplateBuilds
 from aenv.template.stepcache import CachedStep, StepCache
 from aenv.template.steps import BuildRequest, BuildState, Step, step_key
@@ -69,7 +70,9 @@ async def serving(tmp_path: Path) -> AsyncIterator[tuple[str, FakeBuilder]]:
         templates=builder,
     )
     settings = Settings(home_path=tmp_path)
-    node = LocalNode(SimpleNamespace(engine=engine, settings=settings), None, "node-1")  # type: ignore[arg-type]
+    node = LocalNode(
+        SimpleNamespace(engine=engine, settings=settings, events=EventBus(), catalog=None), None, "node-1"
+    )  # type: ignore[arg-type]
     api = NodeAPI(node, domain="", limits=schemas.limits(settings))
     runner = web.AppRunner(api.app(KEY))
     await runner.setup()
@@ -151,10 +154,10 @@ async def bad_requests(url: str) -> None:
 
 def test_a_restart_marks_unfinished_builds_failed(tmp_path: Path) -> None:
     engine = SimpleNamespace(repository=FakeRepository(tmp_path / "repository"), templates=FakeBuilder())
-    builds = TemplateBuilds(tmp_path / "templates", engine)  # type: ignore[arg-type]
+    builds = TemplateBuilds(tmp_path / "templates", engine.repository, engine.templates, None)  # type: ignore[arg-type]
     _, build, tags = builds.request(BuildRequest(name="restarted:v1"))
     assert tags == ["v1"] and build.status == "waiting"
-    again = TemplateBuilds(tmp_path / "templates", engine)  # type: ignore[arg-type]
+    again = TemplateBuilds(tmp_path / "templates", engine.repository, engine.templates, None)  # type: ignore[arg-type]
     status = again.status("restarted", build.build_id, 0, 100)
     assert status["status"] == "error" and "restarted" in status["reason"]["message"]
 

@@ -12,7 +12,7 @@ from aenv.template.builds import BuildNotFound, BuildRecord, TemplateBuilds, Tem
 
 @pytest.fixture
 def builds(tmp_path: Path) -> TemplateBuilds:
-    store = TemplateBuilds(tmp_path, SimpleNamespace())  # type: ignore[arg-type]  # no build runs here
+    store = TemplateBuilds(tmp_path, SimpleNamespace(), None, None)  # type: ignore[arg-type]  # no build runs here
     record = TemplateRecord("harbor-abc")
     record.builds = {
         "b-ready": BuildRecord("b-ready", status="ready", snapshot_id="s-ready", tags=["v1"]),

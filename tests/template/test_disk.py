@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aenv.guest.rootfs import ROOT_LABEL
-from aenv.template import ImageStore, base_layer
+from aenv.template import ImageStore, base_layer, disk
 from aenv.template.disk import MIN_DISK_MIB
 from tests.template.images import write_test_layout
 
@@ -51,3 +51,7 @@ def test_base_layer_is_a_cached_qcow2_of_the_rootfs(tmp_path: Path, monkeypatch:
     assert base_layer(again) == disk
     assert not any(p.name.endswith(".tmp") for p in disk.parent.parent.iterdir())
     assert sorted(p.name for p in disk.parent.iterdir()) == ["base.qcow2"]
+
+
+def test_images_take_the_label_the_initramfs_mounts() -> None:
+    assert disk.ROOT_LABEL == ROOT_LABEL

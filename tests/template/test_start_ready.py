@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from aenv.repository.manifest import RuntimeContext
 from aenv.snapshot import templates
-from aenv.snapshot.manifest import RuntimeContext
 from aenv.snapshot.model import EngineError
 
 

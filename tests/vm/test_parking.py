@@ -11,9 +11,9 @@ import secrets
 
 import pytest
 
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.engine import GuestInit, SnapshotEngine
 from aenv.snapshot.parking import ParkingPolicy
-from aenv.snapshot.repository import SnapshotRepository
 
 from ..conftest import wait_for
 from .test_snapshot_engine import ask_keeper, start_keeper

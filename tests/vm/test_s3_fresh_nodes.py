@@ -23,11 +23,11 @@ import httpx
 import pytest
 
 from aenv.devnode import DevNode
-from aenv.snapshot.manifest import new_snapshot_id
-from aenv.snapshot.repository import PendingMark
-from aenv.storage import lazyfs
+from aenv.devs3 import S3Server, SeaweedFS
+from aenv.repository.contract import PendingMark
+from aenv.repository.manifest import new_snapshot_id
+from aenv.runtime import lazyfs
 from tests.conftest import wait_for
-from tests.storage.seaweed import S3Server, SeaweedFS
 
 SLOTS = (16128, 16256)  # the nodes' network slots, apart from every other node the suite starts
 PENDING_WAIT = 15  # seconds node B waits for a snapshot another node is committing

@@ -27,12 +27,12 @@ import pytest
 
 from aenv.config import Settings
 from aenv.devnode import DevNode, free_port
+from aenv.devs3 import S3Server, seaweedfs
+from aenv.repository.chunks import ChunkIndex
+from aenv.runtime.open import open_storage
 from aenv.snapshot.engine import SnapshotEngine
-from aenv.storage.chunks import ChunkIndex
-from aenv.storage.open import open_storage
 from aenv.vmm.accel import accelerator_from_env
 from tests.conftest import NodeLoop, SandboxManager, wait_for
-from tests.storage.seaweed import S3Server, seaweedfs
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +199,15 @@ def test_snapshot_on_node_a_creates_on_node_b_loading_on_demand(dev_nodes: list[
 
 
 def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):
-    from e2b import Sandbox
+    from e2b import NotFoundException, Sandbox
+
+    from aenv import rollouts
 
     a, b = dev_nodes
     sandbox = Sandbox.create("base", timeout=300, api_key=a.key, api_url=a.url, sandbox_url=a.url)
     sandbox.files.write("/root/paused-on-a.txt", "written on node A before the pause", user="root")
     sandbox.commands.run("sleep 100000 & echo $! > /root/sleeper.pid", user="root")
+    rollouts.checkpoint(sandbox, "on-a")  # checkpoints stay on node A (`aenv.snapshot.checkpoints`)
     assert sandbox.pause()
     headers_a, headers_b = {"X-API-Key": a.key}, {"X-API-Key": b.key}
     detail = f"/sandboxes/{sandbox.sandbox_id}"
@@ -216,6 +219,9 @@ def test_sandbox_paused_on_node_a_resumes_on_node_b(dev_nodes: list[DevNode]):
     assert moved.files.read("/root/paused-on-a.txt", user="root") == "written on node A before the pause"
     pid = moved.files.read("/root/sleeper.pid", user="root").strip()
     assert moved.commands.run(f"kill -0 {pid}", user="root").exit_code == 0  # the process lives on
+    assert rollouts.checkpoints(moved) == []
+    with pytest.raises(NotFoundException, match="stayed on node"):
+        rollouts.reset(moved, "on-a")
     metrics = httpx.get(b.url + "/metrics").text  # B fetched the pause into its runtime cache
     assert re.search(r"^aenv_runtime_cache_misses [1-9]", metrics, re.M)
     assert re.search(r"^aenv_runtime_cache_capacity_bytes [1-9]", metrics, re.M)

@@ -15,11 +15,12 @@ import pytest
 from e2b import AuthenticationException
 
 from aenv.agent.envd.system_api import CLOCK_TOLERANCE_NS
+from aenv.repository.errors import SnapshotNotFound
+from aenv.repository.manifest import new_snapshot_id
+from aenv.repository.posix import SnapshotRepository
 from aenv.snapshot.engine import EngineError, GuestInit, SnapshotEngine
 from aenv.snapshot.handover import pause_alias
-from aenv.snapshot.manifest import new_snapshot_id
 from aenv.snapshot.parking import ParkingPolicy
-from aenv.snapshot.repository import SnapshotNotFound, SnapshotRepository
 from aenv.snapshot.warm import WarmRecord
 
 from ..conftest import RunningSandbox, wait_for

@@ -25,10 +25,11 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from ..orchestrator import errors
+from ..orchestrator.ids import catalog_name
 from ..orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult, NodeService
-from ..orchestrator.service import catalog_name
 from ..snapshot.checkpoints import Checkpoint
 from . import schemas, views
+from .status import status_of
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 B = TypeVar("B", bound=BaseModel)
@@ -88,7 +89,7 @@ class RolloutAPI:
         self.create_request = create_request
         self.domain = domain
 
-    def _result(self, result: FanOutResult, status_of: Callable[[errors.SandboxError], int]) -> dict:
+    def _result(self, result: FanOutResult) -> dict:
         if result.sandbox is not None:
             return {"sandbox": views.sandbox(result.sandbox, self.domain)}
         assert result.error is not None
@@ -97,13 +98,11 @@ class RolloutAPI:
 
     async def fan_out(self, request: web.Request) -> web.Response:
         """Start count sandboxes from one template or snapshot, each succeeding or failing alone"""
-        from .server import status_of  # the one status table; server imports this module
-
         body = await self.parse(request, schemas.FanOut)
         options = self.create_request(body, secure=True)
         fan = FanOutRequest(create=options, count=body.count, idempotency_key=body.idempotency_key)
         results = await self.node.fan_out(fan)
-        return web.json_response([self._result(r, status_of) for r in results], status=201)
+        return web.json_response([self._result(r) for r in results], status=201)
 
     async def create_checkpoint(self, request: web.Request) -> web.Response:
         """Checkpoint a running sandbox (memory and disk), kept while it lives"""

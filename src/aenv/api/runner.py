@@ -17,6 +17,10 @@ from aiohttp import web
 from .server import error_response
 
 log = logging.getLogger(__name__)
+# Connections waiting to be accepted (aiohttp's default is 128): a gateway opens one to a node per
+# call in flight, and an RL trainer's 256 concurrent creates arrive at once; past the backlog the
+# kernel drops SYNs, which the client resends only after 1 s, then 3 s, and so on.
+BACKLOG = 1024
 
 
 class _JSONErrorRequestHandler(web.RequestHandler):

@@ -5,7 +5,10 @@ HTML page); the sandbox proxy serves data-plane traffic (routing headers, sandbo
 `/proxy`) which carries no API key; then API-key authentication for everything else.
 
 Handlers talk to the node only through `NodeService` (`aenv.orchestrator.interface`): this module
-maps the wire to its calls and its typed errors to statuses (`STATUS`), and nothing else.
+maps the wire to its calls and its typed errors to statuses (`status.STATUS`), and nothing else.
+It stays one module over 600 lines because it is the route table: each handler is a few lines
+from a route to one call, and the resources with more than that have their own modules
+(`templates`, `volumes`, `rollouts`, `fusion`, `views`).
 """
 
 from __future__ import annotations
@@ -31,18 +34,13 @@ from ..agent.envd import ENVD_VERSION
 from ..cluster.auth import cluster_gate
 from ..cluster.wire import node_route
 from ..orchestrator.errors import (
-    BadGuest,
-    Conflict,
-    Forbidden,
-    InsufficientStorage,
     InvalidRequest,
     NotFound,
-    OperationFailed,
+    Overloaded,
     SandboxError,
-    Unavailable,
 )
-from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, follows
-from ..orchestrator.service import catalog_name
+from ..orchestrator.ids import catalog_name
+from ..orchestrator.interface import CreateRequest, ListQuery, NodeService, RouteService, follows
 from ..orchestrator.store import SandboxRecord
 from ..telemetry import CREATED_HEADER, Telemetry
 from ..vmm.serial import NEXT_START_HEADER
@@ -50,6 +48,7 @@ from ..volumes.store import VolumeStore
 from . import openapi, rollouts, schemas, templates, views, volumes
 from .fusion import Fusion
 from .proxy import ProxyTarget, SandboxAccess, SandboxProxy
+from .status import status_of
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +62,6 @@ PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 # The node's limits that request bodies are validated against (schemas.limits).
 LIMITS_KEY = web.AppKey("limits", dict)
 SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")  # E2B's sandbox IDs (also in the OpenAPI document)
-# The one place where kinds of failure become HTTP statuses.
-STATUS: dict[type[SandboxError], int] = {
-    InvalidRequest: 400,
-    Forbidden: 403,
-    NotFound: 404,
-    Conflict: 409,
-    Unavailable: 503,
-    InsufficientStorage: 507,
-    BadGuest: 502,
-    OperationFailed: 500,
-}
 
 
 GC_METRICS = {
@@ -85,7 +73,7 @@ GC_METRICS = {
     "last_run_seconds": "Duration of the last garbage collection pass",
 }
 
-# The runtime cache of an s3 repository (`aenv.storage.cache.CacheStats`); 0 with a posix one,
+# The runtime cache of an s3 repository (`aenv.runtime.cache.CacheStats`); 0 with a posix one,
 # whose files QEMU uses in place.
 CACHE_METRICS = {
     "capacity_bytes": "Configured capacity of the node's runtime cache",
@@ -97,10 +85,6 @@ CACHE_METRICS = {
     "evictions": "Runtime cache files evicted (least recently used first) since the node started",
     "fetched_bytes": "Bytes the runtime cache fetched from the repository since the node started",
 }
-
-
-def status_of(error: SandboxError) -> int:
-    return next(code for kind, code in STATUS.items() if isinstance(error, kind))
 
 
 def error_response(status: int, message: str, error_code: str | None = None) -> web.Response:
@@ -115,7 +99,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except SandboxError as exc:
-        return error_response(status_of(exc), exc.message, exc.error_code)
+        response = error_response(status_of(exc), exc.message, exc.error_code)
+        if isinstance(exc, Overloaded):  # the E2B SDKs wait this long before they retry
+            response.headers["Retry-After"] = str(exc.retry_after)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -348,7 +335,7 @@ class NodeAPI:
         public ones must carry the secret instead of the API key (`aenv.cluster.auth`), and the
         internal route gateways call the node through is mounted (`aenv.cluster.wire`): never
         without the secret, as it takes calls without the public API's validation. `internal`:
-        node-to-node routes mounted outside the OpenAPI document (`aenv.storage.peers`); `fusion`:
+        node-to-node routes mounted outside the OpenAPI document (`aenv.runtime.peers`); `fusion`:
         SandboxFusion's API (`aenv.api.fusion`), also outside it."""
         measured = [self.telemetry.middleware(), logs.request_context, errors]
         if cluster_secret:
@@ -424,6 +411,8 @@ class NodeAPI:
         )
 
     async def proxy_target(self, sandbox_id: str, *, resume: bool) -> ProxyTarget | None:
+        if not isinstance(self.node, RouteService):  # a gateway's: its proxy forwards to nodes instead
+            return None
         route = await self.node.route(sandbox_id, resume=resume)
         if route is None:
             return None
@@ -483,13 +472,17 @@ class NodeAPI:
         query = ListQuery(
             states=frozenset({"running"}), metadata=metadata_filter(request.query.get("metadata"))
         )
-        return web.json_response([views.listed(r) for r in await self.node.list(query)])
+        return web.json_response(await self.listed(query))
+
+    async def listed(self, query: ListQuery) -> list[dict[str, Any]]:
+        """The list's entries (a gateway names each one's node: `GatewayAPI.listed`)."""
+        return [views.listed(r) for r in await self.node.list(query)]
 
     async def list_v2(self, request: web.Request) -> web.Response:
         # The node pages too (one more than the page, so the token is known to be needed).
         limit = _int_query(request, "limit", low=1, high=100)
         query = replace(list_query(request), after=_cursor(request), limit=limit and limit + 1)
-        listed = [views.listed(r) for r in await self.node.list(query)]
+        listed = await self.listed(query)
         return _paginate(
             request,
             listed,
@@ -539,13 +532,24 @@ class NodeAPI:
         return sandbox_id
 
     async def take_over(self, request: web.Request) -> web.Response:
-        """Resume here a sandbox durably paused on another node (`NodeService.take_over`)."""
+        """Resume here a sandbox durably paused on another node (`HandoverService.take_over`).
+
+        `POST /sandboxes/{sandboxID}/takeover` with an optional `{"timeout": seconds}`, on the node
+        that is to run it: 201 with the sandbox (as create's); 404 with `error_code` `pause_gone`
+        when the pause is not durable or its node claimed it back; 409 when another node took it
+        over first or the sandbox is on this node already.
+        """
         sandbox_id = self._paused_id(request)
         body = await parse(request, schemas.TakeOver, required=False)
         return self._created(await self.node.take_over(sandbox_id, body.timeout))
 
     async def discard_pause(self, request: web.Request) -> web.Response:
-        """Delete from the shared repository a killed sandbox's pause (`NodeService.discard_pause`)."""
+        """Delete from the shared repository a killed sandbox's pause (`HandoverService.discard_pause`).
+
+        `DELETE /sandboxes/{sandboxID}/pause`: 204; 404 if there is no such pause; 409 if another
+        node claimed it, if the sandbox is on this node (kill it), or, with `error_code`
+        `repository_not_shared`, on a node whose repository is its own.
+        """
         sandbox_id = self._paused_id(request)
         await self.node.discard_pause(sandbox_id)
         return web.Response(status=204)

@@ -6,10 +6,10 @@ import platform
 from typing import Any
 
 from ..orchestrator.interface import NodeStatus
-from ..orchestrator.service import DISK_SIZE_MB
+from ..orchestrator.launch import DISK_SIZE_MB
 from ..orchestrator.states import State, api_state
 from ..orchestrator.store import SandboxRecord
-from ..snapshot.manifest import SnapshotManifest
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.pending import PENDING_MARK
 
 CLIENT_ID = "aenv"
@@ -86,6 +86,13 @@ def snapshot_info(manifest: SnapshotManifest) -> dict[str, Any]:
         # aenv's: committed to the repository (false: captured on the node, being committed;
         # only this node knows it meanwhile, and a create from it there waits for the commit).
         "durable": PENDING_MARK not in manifest.metadata,
+        # aenv's: its lineage, the sandbox it was taken of, the template or snapshot that sandbox
+        # started from and its checkpoint (if any) the state came from.
+        "source": {
+            "sandboxID": manifest.source.get("sandbox_id"),
+            "snapshotID": manifest.source.get("snapshot_id"),
+            "checkpointID": manifest.source.get("checkpoint_id"),
+        },
     }
 
 

@@ -29,6 +29,13 @@ BODIES: dict[str, type[BaseModel]] = {"create_volume": NewVolume, "update_entry"
 SUCCESS = {"create_volume": "201", "delete_volume": "204", "make_dir": "201", "write_file": "201"}
 SUCCESS |= {"remove_entry": "204"}
 CONTENT_PREFIX = "/volumecontent/"
+# The content API: method, path under `/volumecontent/{volumeID}/`, handler (also a gateway's,
+# `aenv.cluster.volumes`).
+CONTENT_ROUTES = [
+    ("GET", "dir", "list_dir"), ("POST", "dir", "make_dir"), ("GET", "path", "stat_entry"),
+    ("PATCH", "path", "update_entry"), ("DELETE", "path", "remove_entry"), ("GET", "file", "read_file"),
+    ("PUT", "file", "write_file"),
+]  # fmt: skip
 
 
 class ContentQuery(BaseModel):
@@ -73,19 +80,13 @@ def _volume(volume: Volume, *, token: bool) -> dict[str, Any]:
 def routes(store: VolumeStore, parse: Parser) -> list[tuple[str, str, Handler]]:
     """The routes over `store`; `parse` is the API's JSON body parser."""
     api = VolumeAPI(store, parse)
-    content = "/volumecontent/{volumeID}"
+    content = CONTENT_PREFIX + "{volumeID}"
     return [
         ("POST", "/volumes", api.create_volume),
         ("GET", "/volumes", api.list_volumes),
         ("GET", "/volumes/{volumeID}", api.get_volume),
         ("DELETE", "/volumes/{volumeID}", api.delete_volume),
-        ("GET", f"{content}/dir", api.list_dir),
-        ("POST", f"{content}/dir", api.make_dir),
-        ("GET", f"{content}/path", api.stat_entry),
-        ("PATCH", f"{content}/path", api.update_entry),
-        ("DELETE", f"{content}/path", api.remove_entry),
-        ("GET", f"{content}/file", api.read_file),
-        ("PUT", f"{content}/file", api.write_file),
+        *((method, f"{content}/{kind}", getattr(api, name)) for method, kind, name in CONTENT_ROUTES),
     ]
 
 

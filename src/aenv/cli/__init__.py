@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="<command>")
     for group in GROUPS:
         group.register(commands)
+    parser.set_defaults(parser=parser)  # `aenv completion` describes the whole command
     return parser
 
 

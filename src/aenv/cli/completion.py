@@ -96,9 +96,7 @@ complete -o default -F _aenv aenv
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import build_parser
-
-    script = bash_script(build_parser())
+    script = bash_script(args.parser)  # the whole command's (`build_parser` passes itself)
     if args.shell == "zsh":
         script = (
             "# aenv completion for zsh; `source <(aenv completion zsh)`\n"

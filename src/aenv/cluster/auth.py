@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-CLUSTER_SECRET_HEADER = "X-Aenv-Cluster-Secret"
+from ..headers import CLUSTER_SECRET_HEADER
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -28,7 +28,7 @@ import aiohttp
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .. import __version__
-from ..api.server import STATUS
+from ..api.status import STATUS
 from ..orchestrator.errors import OperationFailed, SandboxError, Unavailable
 from .auth import CLUSTER_SECRET_HEADER
 from .model import Binding, Heartbeat, Location, NodeCapacity, NodeInfo, NodeUsage, Placement

@@ -27,50 +27,31 @@ back to delete it; if no node can, the kill stands all the same.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import fields, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-import aiohttp
-
 from ..orchestrator import fanout
 from ..orchestrator.errors import NOT_SHARED, PAUSE_GONE, Conflict, NotFound, SandboxError, Unavailable
-from ..orchestrator.housekeeping import GcTotals
-from ..orchestrator.interface import (
-    BuildTicket,
-    CreateRequest,
-    FanOutRequest,
-    FanOutResult,
-    FileLink,
-    ListQuery,
-    NodeStatus,
-    Route,
-)
-from ..orchestrator.service import new_sandbox_id
+from ..orchestrator.ids import new_sandbox_id
+from ..orchestrator.interface import CreateRequest, FanOutRequest, FanOutResult, ListQuery
 from ..orchestrator.store import SandboxRecord
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
-from ..template.builds import TagInfo
-from ..template.steps import BuildRequest, BuildStart, split_name
+from .builds import ClusterBuilds
+from .catalog import ClusterCatalog
+from .fleet import rendezvous
 from .model import Binding, NodeInfo, NodeState, Placement
-from .protocols import SandboxKilled, Scheduler
+from .protocols import SandboxKilled
 from .remote import RemoteNode
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-LIVE = (NodeState.UP, NodeState.DRAINING)  # nodes whose sandboxes can be reached
-CLUSTER_ID = "cluster"  # the node id `status` reports for the whole cluster
 MAX_PLACEMENTS = 8  # nodes one create tries at most before it gives up
-# Seconds a gateway reuses the scheduler's list of live nodes: every page of a list asks all of
-# them, and the scheduler's answer cost as much as a node's page. A joining node is asked within
-# this; a dead one is asked (and left out) until the scheduler has it down, 10 s by default, anyway.
-LIVE_FOR = 1.0
 SHARE_MARGIN = 1.5  # a paged list first asks each of n nodes for this many times 1/n of the page
 # Seconds a kill on a down node waits for a live node to discard its durable pause (a few requests
 # to the repository): a node that accepts the call and hangs must not hold the kill's answer.
@@ -104,31 +85,16 @@ def _rest(
     return rest
 
 
-def _rendezvous(key: str, nodes: Iterable[NodeInfo]) -> list[NodeInfo]:
-    """`nodes` in the order `key` prefers them: the same everywhere, whichever gateway asks, and
-    mostly unchanged when a node comes or goes (highest random weight hashing)."""
-    return sorted(nodes, key=lambda n: hashlib.sha256(f"{n.node_id}/{key}".encode()).digest(), reverse=True)
+class ClusterNode(ClusterCatalog, ClusterBuilds):
+    """`NodeService` over the scheduler's nodes; `client` reaches them (`remote.cluster_client`).
 
+    The sandbox-scoped services are here (each call on the node that holds the sandbox); the
+    catalog and status, and template builds, are the cluster-wide parts it is made of, over the
+    same fleet of nodes (`aenv.cluster.fleet`).
+    """
 
-class ClusterNode:
-    """`NodeService` over the scheduler's nodes; `client` reaches them (`remote.cluster_client`)."""
-
-    def __init__(self, scheduler: Scheduler, client: aiohttp.ClientSession):
-        self.scheduler = scheduler
-        self.client = client
-        self._live: tuple[float, list[NodeInfo]] | None = None  # when asked, and the answer
-
-    def remote(self, info: NodeInfo) -> RemoteNode:
-        return RemoteNode(info.node_id, info.address, self.client)
-
-    async def live_nodes(self) -> list[NodeInfo]:
-        """The nodes whose sandboxes can be reached, as the scheduler had them at most `LIVE_FOR` ago."""
-        asked = time.monotonic()
-        if self._live is not None and asked - self._live[0] < LIVE_FOR:
-            return self._live[1]
-        live = [n for n in await self.scheduler.nodes() if n.status in LIVE]
-        self._live = (asked, live)
-        return live
+    # The nodes a create must not go to, by its request (a gateway's: `aenv.cluster.volumes`).
+    excluded: Callable[[CreateRequest], Awaitable[list[str]]] | None = None
 
     # -- sandbox to node ----------------------------------------------------------------------
 
@@ -206,7 +172,7 @@ class ClusterNode:
         reservation and the create costs one scheduler call; an attempt that fails unbinds it,
         which frees the reservation too. A new id per attempt: a node that failed to answer may
         have created its sandbox."""
-        refused: list[str] = []
+        refused = [] if self.excluded is None else await self.excluded(request)
         failure: SandboxError | None = None
         # An id the caller chose (a fan-out's) is tried once: a node that failed to answer may
         # have made it, and the caller's retry finds it there by that id.
@@ -255,7 +221,11 @@ class ClusterNode:
         return (await self.locate(sandbox_id))[1].node_id
 
     async def list(self, query: ListQuery) -> list[SandboxRecord]:
-        """Every live node's matches, in a single node's order: start time, then id.
+        return [record for record, _ in await self.list_placed(query)]
+
+    async def list_placed(self, query: ListQuery) -> list[tuple[SandboxRecord, str]]:
+        """Every live node's matches, in a single node's order: start time, then id; each with
+        the id of the node that holds it.
 
         A paged query's page is the nodes' pages merged, cut to the page again. Each node is first
         asked for its even share of the page with a margin (`SHARE_MARGIN`), not a whole page:
@@ -284,24 +254,8 @@ class ClusterNode:
                     more.discard(info.node_id)
             page = _ordered(query, [r for records in found.values() for r in records])
             if limit is None or not (asks := _rest(query, limit, page, {i: found[i][-1] for i in more})):
-                return page
-
-    async def _each_node(
-        self, call: Callable[[RemoteNode], Awaitable[T]], nodes: Iterable[NodeInfo] | None = None
-    ) -> list[tuple[NodeInfo, T]]:
-        """`call` on every live node (or on `nodes`) at once; a node that fails is left out (and
-        logged): the others' answers are still the truth about their sandboxes."""
-        nodes = list(await self.live_nodes() if nodes is None else nodes)
-        answers = await asyncio.gather(*(call(self.remote(n)) for n in nodes), return_exceptions=True)
-        results = []
-        for info, answer in zip(nodes, answers, strict=True):
-            if isinstance(answer, BaseException):
-                if not isinstance(answer, SandboxError):
-                    raise answer
-                log.warning("node %s left out: %s", info.node_id, answer.message)
-                continue
-            results.append((info, answer))
-        return results
+                holder = {id(r): node_id for node_id, records in found.items() for r in records}
+                return [(record, holder[id(record)]) for record in page]
 
     async def kill(self, sandbox_id: str) -> None:
         """On its node; while that node is down and does not answer, in the cluster's records
@@ -355,7 +309,7 @@ class ClusterNode:
         (`NOT_SHARED`). Returns the node that discarded it; the node's refusal of any other kind
         (no such pause, claimed by another node) is the answer."""
         passed: list[str] = []
-        for info in _rendezvous(sandbox_id, await self.live_nodes()):
+        for info in rendezvous(sandbox_id, await self.live_nodes()):
             try:
                 await self.remote(info).discard_pause(sandbox_id)
             except SandboxError as exc:
@@ -550,123 +504,3 @@ class ClusterNode:
 
     async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         return await self._on_holder(sandbox_id, lambda node, _: node.logs(sandbox_id, start, limit))
-
-    # -- templates and snapshots, cluster-wide -------------------------------------------------
-
-    async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        """What any live node has, once each, newest first then by id (as a node lists them)."""
-        unique: dict[str, SnapshotManifest] = {}
-        for _, manifests in await self._each_node(lambda n: n.catalog(kind)):
-            for manifest in manifests:
-                unique.setdefault(manifest.id, manifest)
-        merged = sorted(unique.values(), key=lambda m: m.id)
-        merged.sort(key=lambda m: m.created_at, reverse=True)
-        return merged
-
-    async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
-        for _, manifest in await self._each_node(lambda n: _found(n.find(reference, kind))):
-            if manifest is not None:
-                return manifest
-        raise NotFound(f"{kind or 'template'} '{reference}' not found")
-
-    async def delete_template(self, reference: str) -> None:
-        """Deleted on every node that has it; NotFound only if none has."""
-        deleted = await self._each_node(lambda n: _found(n.delete_template(reference), True))
-        if not any(done for _, done in deleted):
-            raise NotFound(f"'{reference}' not found")
-
-    async def status(self) -> NodeStatus:
-        """The live nodes' status added up (the cluster's `/metrics`)."""
-        statuses = [status for _, status in await self._each_node(lambda n: n.status())]
-        gc = GcTotals()
-        for status in statuses:
-            for field in fields(GcTotals):
-                combine = max if field.name == "last_run_seconds" else sum
-                setattr(gc, field.name, combine((getattr(gc, field.name), getattr(status.gc, field.name))))
-        return NodeStatus(
-            node_id=CLUSTER_ID,
-            records=[record for status in statuses for record in status.records],
-            create_successes=sum(s.create_successes for s in statuses),
-            create_failures=sum(s.create_failures for s in statuses),
-            lost=sum(s.lost for s in statuses),
-            parked=sum(s.parked for s in statuses),
-            gc=gc,
-            merged_bytes=sum(s.merged_bytes for s in statuses),
-        )
-
-    # -- template builds -------------------------------------------------------------------------
-    # A build runs on one node, chosen by its template name (the same node whichever gateway is
-    # asked, without state of its own); a template's later calls try nodes in that same order,
-    # moving on only when a node does not know the template.
-
-    async def _by_template(self, name: str, call: Callable[[RemoteNode], Awaitable[T]]) -> T:
-        nodes = _rendezvous(name, await self.live_nodes())
-        missing: NotFound | None = None
-        for info in nodes:
-            try:
-                return await call(self.remote(info))
-            except NotFound as exc:
-                missing = exc
-        raise missing or Unavailable("no node is up")
-
-    async def _build_node(self, name: str) -> RemoteNode:
-        nodes = [n for n in await self.live_nodes() if n.status == NodeState.UP]
-        if not nodes:
-            raise Unavailable("no node is up to build on")
-        return self.remote(_rendezvous(name, nodes)[0])
-
-    async def request_template_build(self, request: BuildRequest) -> BuildTicket:
-        name, _ = split_name(request.name)
-        return await (await self._build_node(name)).request_template_build(request)
-
-    async def template_file(self, template_id: str, files_hash: str) -> FileLink:
-        return await self._by_template(template_id, lambda n: n.template_file(template_id, files_hash))
-
-    async def receive_template_file(
-        self,
-        template_id: str,
-        files_hash: str,
-        expires: str,
-        signature: str,
-        chunks: AsyncIterator[bytes],
-        size: int | None,
-    ) -> None:
-        """To the node that handed out the upload URL (a stream is sent once, not tried around)."""
-        node = await self._build_node(template_id)
-        await node.receive_template_file(template_id, files_hash, expires, signature, chunks, size)
-
-    async def start_template_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
-        await self._by_template(template_id, lambda n: n.start_template_build(template_id, build_id, start))
-
-    async def template_build_status(
-        self, template_id: str, build_id: str, offset: int, limit: int
-    ) -> dict[str, Any]:
-        return await self._by_template(
-            template_id, lambda n: n.template_build_status(template_id, build_id, offset, limit)
-        )
-
-    async def assign_template_tags(self, target: str, tags: list[str]) -> tuple[str, list[str]]:
-        name, _ = split_name(target)
-        return await self._by_template(name, lambda n: n.assign_template_tags(target, tags))
-
-    async def remove_template_tags(self, name: str, tags: list[str]) -> None:
-        template, _ = split_name(name)
-        await self._by_template(template, lambda n: n.remove_template_tags(name, tags))
-
-    async def template_tags(self, reference: str) -> list[TagInfo]:
-        name, _ = split_name(reference)
-        return await self._by_template(name, lambda n: n.template_tags(reference))
-
-    async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
-        """Never local: sandbox networks exist on nodes only, and the gateway's proxy forwards to
-        the node (`aenv.cluster.gateway.GatewayProxy`) instead of asking for a route."""
-        return None
-
-
-async def _found(call: Awaitable[T], done: Any = None) -> T | Any | None:
-    """`call`'s answer (or `done` for a call that answers nothing); None when it is NotFound."""
-    try:
-        answer = await call
-    except NotFound:
-        return None
-    return done if done is not None else answer

@@ -22,17 +22,12 @@ from aiohttp import web
 
 from ..api import schemas, views
 from ..api.fusion import Fusion
-from ..api.proxy import (
-    SANDBOX_NOT_FOUND,
-    TRAFFIC_TOKEN_HEADER,
-    ProxyRoute,
-    SandboxProxy,
-    UpstreamPool,
-    sandbox_error,
-)
-from ..api.server import NodeAPI
+from ..api.proxy import SANDBOX_NOT_FOUND, TRAFFIC_TOKEN_HEADER, ProxyRoute, SandboxProxy, sandbox_error
+from ..api.server import NodeAPI, Route
+from ..api.upstream import Upstream
 from ..config import ConfigError, Settings
 from ..orchestrator.errors import NotFound, SandboxError
+from ..orchestrator.interface import ListQuery
 from .auth import CLUSTER_SECRET_HEADER
 from .client import SchedulerClient
 from .clusternode import ClusterNode
@@ -40,6 +35,7 @@ from .model import NodeInfo
 from .protocols import Scheduler
 from .remote import cluster_client
 from .serving import listen_until_stopped, run
+from .volumes import VolumeRouting
 
 log = logging.getLogger("aenv.gateway")
 
@@ -69,31 +65,28 @@ class GatewayProxy(SandboxProxy):
             return sandbox_error(503, route.sandbox_id, exc.message)
         target = "/proxy" + route.target if route.target.startswith("/") else route.target
         hop = replace(route, target=target, host=urlsplit(info.address).netloc)
-        return await self.relay(request, hop, self._node_pool(info))
+        return await self.relay(request, hop, _node(info))
 
-    def _node_pool(self, info: NodeInfo) -> UpstreamPool:
-        pool = self._pools.get(info.node_id)
-        if pool is None or pool.upstream != info.address:
-            if pool is not None:
-                pool.close()
-            address = urlsplit(info.address)
-            host, port = address.hostname or "127.0.0.1", address.port or 80
-
-            async def open_node(_port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-                return await asyncio.open_connection(host, port)
-
-            pool = self._pools[info.node_id] = UpstreamPool(info.address, open_node)
-        return pool
-
-    def hop_headers(self, request: web.Request, route: ProxyRoute) -> list[str]:
-        lines = [
-            f"E2b-Sandbox-Id: {route.sandbox_id}",
-            f"E2b-Sandbox-Port: {route.port}",
-            f"{CLUSTER_SECRET_HEADER}: {self.secret}",
+    def hop_headers(self, request: web.Request, route: ProxyRoute) -> list[tuple[str, str]]:
+        fields = [
+            ("E2b-Sandbox-Id", route.sandbox_id),
+            ("E2b-Sandbox-Port", str(route.port)),
+            (CLUSTER_SECRET_HEADER, self.secret),
         ]
         if (token := request.headers.get(TRAFFIC_TOKEN_HEADER)) is not None:
-            lines.append(f"{TRAFFIC_TOKEN_HEADER}: {token}")
-        return lines
+            fields.append((TRAFFIC_TOKEN_HEADER, token))
+        return fields
+
+
+def _node(info: NodeInfo) -> Upstream:
+    """The node as an upstream: its connections are shared by all of its sandboxes."""
+    address = urlsplit(info.address)
+    host, port = address.hostname or "127.0.0.1", address.port or 80
+
+    async def open_node(_port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port)
+
+    return Upstream(info.node_id, info.address, open_node)
 
 
 def node_view(info: NodeInfo) -> dict[str, Any]:
@@ -125,6 +118,11 @@ class GatewayAPI(NodeAPI):
     def __init__(self, cluster: ClusterNode, *, domain: str, limits: dict[str, int], secret: str):
         super().__init__(cluster, domain=domain, limits=limits)
         self.proxy = GatewayProxy(self, cluster, domain.split(":", 1)[0] or None, secret)
+        self.volume_routing = VolumeRouting(cluster)
+        cluster.excluded = self.volume_routing.excluded  # a create goes where the volumes it mounts are
+
+    def routes(self) -> list[Route]:
+        return [*super().routes(), *self.volume_routing.routes()]
 
     async def get_sandbox(self, request: web.Request) -> web.Response:
         """The node's answer, with the id of the node that holds the sandbox as `clientID`."""
@@ -132,6 +130,10 @@ class GatewayAPI(NodeAPI):
         record = await self.node.get(sandbox_id)
         detail = views.detail(record, self.domain)
         return web.json_response(detail | {"clientID": await self.node.node_of(sandbox_id)})
+
+    async def listed(self, query: ListQuery) -> list[dict[str, Any]]:
+        """Each entry names the node that holds the sandbox as `clientID`, as `get_sandbox` does."""
+        return [views.listed(r) | {"clientID": node_id} for r, node_id in await self.node.list_placed(query)]
 
     async def list_nodes(self, request: web.Request) -> web.Response:
         return web.json_response([node_view(n) for n in await self.node.scheduler.nodes()])

@@ -5,7 +5,7 @@ scheduler's bindings of its sandboxes true.
 (address, version, capacity); every `heartbeat_interval` it reports its usage and the templates
 and snapshots it caches, and learns its status (draining) from the answer. Each sandbox it holds
 is bound with its state (running or paused) and each one it no longer holds is unbound: at once
-when the orchestrator reports a change (`Orchestrator.on_changed` wakes the loop), and in full
+when the orchestrator reports a change (`SandboxChanged` wakes the loop), and in full
 every `RECONCILE_EVERY` heartbeats, when the node compares its sandboxes with the scheduler's
 bindings of it, so an event missed while the scheduler was unreachable heals.
 
@@ -35,10 +35,12 @@ from typing import Protocol
 
 from .. import __version__
 from ..config import Settings
+from ..events import EventBus, SandboxChanged
 from ..orchestrator.admission import free_disk_mib
 from ..orchestrator.errors import Conflict, NotFound, SandboxError
 from ..orchestrator.service import Orchestrator
 from ..orchestrator.states import State
+from ..repository.contract import Repository
 from .client import SchedulerClient
 from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
 from .protocols import SandboxKilled, Scheduler
@@ -81,8 +83,9 @@ class NodeSource(Protocol):
 class OrchestratorSource:
     """`NodeSource` of this node process: its orchestrator's sandboxes and its repository."""
 
-    def __init__(self, orchestrator: Orchestrator, node_id: str):
+    def __init__(self, orchestrator: Orchestrator, repository: Repository, node_id: str):
         self.orchestrator = orchestrator
+        self.repository = repository
         self.node_id = node_id
         self.settings = orchestrator.settings
 
@@ -111,9 +114,9 @@ class OrchestratorSource:
     def cached(self) -> list[str]:
         """With a node-local repository, all of it; with a shared one, the snapshots this node
         holds leases on (their files are in its cache, pinned)."""
-        repository = self.orchestrator.engine.repository
+        repository = self.repository
         manifests = repository.list()
-        if self.settings.repository.startswith("s3://"):
+        if repository.shared:
             leased = repository.local_leases()
             manifests = [m for m in manifests if m.id in leased]
         return sorted({name for m in manifests for name in (m.id, m.alias) if name})
@@ -155,17 +158,27 @@ class Membership:
         self._kills: dict[str, asyncio.Task[None]] = {}  # sandboxes killed while the node was away
 
     @classmethod
-    def for_node(cls, settings: Settings, orchestrator: Orchestrator, node_id: str) -> Membership:
-        """This node process's membership: the scheduler of the settings, the node's address."""
+    def for_node(
+        cls,
+        settings: Settings,
+        orchestrator: Orchestrator,
+        repository: Repository,
+        node_id: str,
+        events: EventBus,
+    ) -> Membership:
+        """This node process's membership: the scheduler of the settings, the node's address; it
+        reports at once when a sandbox changes (`SandboxChanged`)."""
         address = settings.node_addr or f"http://{settings.api_addr}"
         if not settings.node_addr and settings.host in ("0.0.0.0", "::", "[::]"):
             log.warning("the node advertises %s, which other hosts cannot reach: set AENV_NODE_ADDR", address)
         client = SchedulerClient(settings.scheduler_url, settings.cluster_secret)
-        source = OrchestratorSource(orchestrator, node_id)
-        return cls(client, source, node_id, address, interval=settings.heartbeat_interval)
+        source = OrchestratorSource(orchestrator, repository, node_id)
+        membership = cls(client, source, node_id, address, interval=settings.heartbeat_interval)
+        events.subscribe(SandboxChanged, lambda changed: membership.changed(changed.sandbox_id))
+        return membership
 
     def changed(self, sandbox_id: str) -> None:
-        """A sandbox's state settled or it is gone: report it now (the orchestrator's hook)."""
+        """A sandbox's state settled or it is gone: report it now."""
         self._wake.set()
 
     async def start(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from ..orchestrator.errors import OperationFailed, SandboxError, Unavailable
+from ..orchestrator.errors import OperationFailed, Overloaded, SandboxError, Unavailable, parse_retry_after
 from ..orchestrator.interface import (
     BuildTicket,
     CreateRequest,
@@ -28,11 +28,10 @@ from ..orchestrator.interface import (
     FileLink,
     ListQuery,
     NodeStatus,
-    Route,
 )
 from ..orchestrator.store import SandboxRecord
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from . import wire
@@ -47,9 +46,17 @@ CALL_TIMEOUT = 900.0
 
 def cluster_client(secret: str) -> aiohttp.ClientSession:
     """The HTTP client a gateway reaches its nodes with, presenting the cluster secret (made on
-    the event loop that uses it)."""
-    timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT, connect=CONNECT_TIMEOUT)
-    return aiohttp.ClientSession(headers={CLUSTER_SECRET_HEADER: secret}, timeout=timeout)
+    the event loop that uses it).
+
+    Without a cap on its connections: each call holds one for as long as the node works on it
+    (a create under TCG with 128 others restoring: about 17 s), and aiohttp's default of 100, whose
+    wait counts as connecting, had the 101st of 256 concurrent creates answer 503 "node
+    unreachable" after `CONNECT_TIMEOUT`. A node bounds what it takes itself (429 when full)."""
+    timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
+    connector = aiohttp.TCPConnector(limit=0)
+    return aiohttp.ClientSession(
+        headers={CLUSTER_SECRET_HEADER: secret}, timeout=timeout, connector=connector
+    )
 
 
 def node_error(status: int, content: bytes, node_id: str) -> SandboxError:
@@ -82,7 +89,10 @@ class RemoteNode:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise Unavailable(f"node {self.node_id} at {self.address} is unreachable: {exc!r}") from exc
         if response.status >= 400:
-            raise node_error(response.status, content, self.node_id)
+            error = node_error(response.status, content, self.node_id)
+            if isinstance(error, Overloaded):  # the node's estimate of when it has room again
+                error.retry_after = parse_retry_after(response.headers.get("Retry-After"), error.retry_after)
+            raise error
         return content
 
     async def answers(self) -> bool:
@@ -231,8 +241,3 @@ class RemoteNode:
 
     async def template_tags(self, reference: str) -> list[TagInfo]:
         return await self._call("template_tags", reference=reference)
-
-    async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
-        """Never local: a sandbox's network exists on its node only (the gateway's proxy forwards
-        there), so from here every sandbox is one this process cannot route to."""
-        return None

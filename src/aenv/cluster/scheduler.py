@@ -3,7 +3,7 @@
 `ClusterScheduler` implements the `Scheduler` protocol on the shared state in Redis
 (`aenv.cluster.state`), so any number of schedulers can serve one cluster. `scheduler_app` serves
 it as JSON on `AENV_SCHEDULER_ADDR`; bodies are the pydantic records of `aenv.cluster.model`,
-errors the API's `{"code", "message"}` with its statuses (`aenv.api.server.STATUS`), and with a
+errors the API's `{"code", "message"}` with its statuses (`aenv.api.status.STATUS`), and with a
 cluster secret set every route but `/health` needs it (`aenv.cluster.auth`):
 
     GET    /health                      200 {"status": "ok"}; 503 while Redis does not answer
@@ -65,8 +65,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..api.server import LIMITS_KEY, Handler, error_response, errors, parse
 from ..config import Settings
-from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, SandboxError, Unavailable
-from ..orchestrator.service import catalog_name
+from ..orchestrator.errors import Conflict, InvalidRequest, NotFound, Overloaded, SandboxError, Unavailable
+from ..orchestrator.ids import catalog_name
 from ..telemetry import LATENCY_BUCKETS, Telemetry
 from .auth import CLUSTER_SECRET_HEADER, presents_secret
 from .model import (
@@ -186,7 +186,7 @@ class ClusterScheduler:
                 f"sandbox {binding.sandbox_id} can only resume on node {binding.node_id}, where its "
                 "pause is (not in the shared repository), and that node is down, excluded or full"
             )
-        raise Unavailable(_no_room(await self.state.rooms(), request))
+        raise Overloaded(_no_room(await self.state.rooms(), request))
 
     async def bind(self, binding: Binding, *, observed: bool = False) -> None:
         await self.state.bind(binding, observed=observed)

@@ -20,7 +20,7 @@ import uvloop
 from aiohttp import web
 
 from .. import logs
-from ..api.runner import APIRunner
+from ..api.runner import BACKLOG, APIRunner
 from ..config import ConfigError, Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ async def listen_until_stopped(app: web.Application, addr: str, name: str, **opt
     runner = APIRunner(app, access_log=None, handle_signals=False, **options)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await web.TCPSite(runner, host, port, reuse_address=True, backlog=BACKLOG).start()
         log.info("%s listening on http://%s", name, addr)
         await stop.wait()
         log.info("%s stopping", name)

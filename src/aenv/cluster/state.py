@@ -1,5 +1,8 @@
 """The cluster's shared state in Redis: node registry, sandbox bindings, locality index, reservations.
 
+It stays one module over 600 lines: the key layout below and the Lua scripts that keep it are one
+contract, and each script reads keys that the others write.
+
 Nothing of it lives in a scheduler's memory, so any number of schedulers can serve the same
 cluster and a scheduler restart loses nothing. Every change that reads before it writes runs as
 one Lua script, atomic in Redis: two schedulers never both spend the same room on a node, and a
@@ -232,11 +235,18 @@ return old
 )
 
 # A node as the reads below return it: id, hash fields (flat), live reservations, pending room.
+# `node_record` is the first two alone, for reads that want the node, not its room: a placement's
+# answer and a locate. With them, every placement's answer carried the node's every live
+# reservation (thousands under load), and decoding those was half of the scheduler's CPU.
 _NODE_ENTRY = """
+local function node_record(prefix, id)
+  return {id, redis.call('HGETALL', prefix .. 'node:' .. id)}
+end
 local function node_entry(prefix, id, now)
-  return {id, redis.call('HGETALL', prefix .. 'node:' .. id),
-    redis.call('ZRANGEBYSCORE', prefix .. 'reserved:' .. id, now, '+inf'),
-    redis.call('HVALS', prefix .. 'pending:' .. id)}
+  local entry = node_record(prefix, id)
+  entry[3] = redis.call('ZRANGEBYSCORE', prefix .. 'reserved:' .. id, now, '+inf')
+  entry[4] = redis.call('HVALS', prefix .. 'pending:' .. id)
+  return entry
 end
 """
 
@@ -260,7 +270,7 @@ _LOCATE = (
     + """
 local raw = redis.call('HGET', KEYS[1], ARGV[2])
 if not raw then return {} end
-return {raw, tostring(now), node_entry(ARGV[1], cjson.decode(raw).node_id, now)}
+return {raw, tostring(now), node_record(ARGV[1], cjson.decode(raw).node_id)}
 """
 )
 
@@ -283,7 +293,7 @@ if ARGV[9] ~= '' then
   if placed then  -- a retry of this create's placement, whose answer was lost: the same node
     local node, _, member = string.match(placed, '^(%S+) (%S+) (%S+)$')
     if member == ARGV[10] .. ':' .. ARGV[2] .. ':' .. ARGV[3] then
-      return {tostring(now), node_entry(prefix, node, now)}
+      return {tostring(now), node_record(prefix, node)}
     end
   end
 end
@@ -302,6 +312,7 @@ local function before(a, b)
 end
 local best, best_key = nil, nil
 local function consider(id)
+  if excluded[id] then return end  -- before reading it: a create that mounts volumes excludes all but one
   local f = redis.call('HMGET', prefix .. 'node:' .. id, 'status', 'heartbeat_at', 'capacity', 'usage',
     'cached')
   if f[1] and not excluded[id] then
@@ -359,7 +370,7 @@ if ARGV[9] ~= '' then
 end
 redis.call('ZREMRANGEBYSCORE', prefix .. 'reserved:' .. best, '-inf', now)
 redis.call('ZADD', prefix .. 'reserved:' .. best, expiry, member)
-return {tostring(now), node_entry(prefix, best, now)}
+return {tostring(now), node_record(prefix, best)}
 """
 )
 
@@ -498,13 +509,16 @@ class ClusterState:
             }
         )
 
+    def _record(self, entry: list[Any], now: float) -> NodeInfo | None:
+        """A node record or entry of the scripts (`_NODE_ENTRY`) as its node; None if unregistered."""
+        fields = dict(zip(entry[1][::2], entry[1][1::2], strict=True))
+        return self._node(fields, now) if "info" in fields else None
+
     def _room(self, entry: list[Any], now: float) -> NodeRoom | None:
         """A node entry of the scripts (`_NODE_ENTRY`) as its room; None for an unregistered node."""
-        _, flat, reserved, pending = entry
-        fields = dict(zip(flat[::2], flat[1::2], strict=True))
-        if "info" not in fields:
+        _, _, reserved, pending = entry
+        if (node := self._record(entry, now)) is None:
             return None
-        node = self._node(fields, now)
         memory, vcpus = _spent(reserved + pending)
         return NodeRoom(
             node=node,
@@ -526,8 +540,7 @@ class ClusterState:
         raw = await self._run("locate", [f"{PREFIX}bindings"], [PREFIX, sandbox_id])
         if not raw:
             raise NotFound(f"sandbox {sandbox_id} is not bound to any node")
-        room = self._room(raw[2], float(raw[1]))
-        return Binding.model_validate_json(raw[0]), room.node if room is not None else None
+        return Binding.model_validate_json(raw[0]), self._record(raw[2], float(raw[1]))
 
     async def caching(self, snapshot_id: str) -> set[str]:
         """The ids of the nodes whose last heartbeat listed the template or snapshot as cached."""
@@ -549,9 +562,9 @@ class ClusterState:
         raw = await self._run("place", keys, args)
         if not raw:
             return None
-        room = self._room(raw[1], float(raw[0]))
-        assert room is not None  # the script chose a registered node
-        return room.node
+        node = self._record(raw[1], float(raw[0]))
+        assert node is not None  # the script chose a registered node
+        return node
 
     # -- bindings --------------------------------------------------------------------------
 

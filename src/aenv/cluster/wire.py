@@ -12,9 +12,9 @@ and validation (a list through a gateway carries a page from every node). The ro
 it is mounted outside the public OpenAPI routes and, on a node in a cluster, taken only with the
 cluster secret (`aenv.cluster.auth`).
 
-Two calls do not travel this way: `route` (a sandbox's network namespace exists only on its
-node; a gateway's proxy forwards to the node instead) and `receive_template_file` (a streamed
-upload, forwarded to the node's presigned upload URL as it is).
+One call does not travel this way: `receive_template_file`, a streamed upload, forwarded to the
+node's presigned upload URL as it is. (`route` is not `NodeService`'s but `RouteService`'s, which
+only a node serves.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..orchestrator.errors import InvalidRequest, NotFound
 from ..orchestrator.interface import NodeService
 
 CALL_PATH = "/cluster/node/{method}"
-LOCAL_ONLY = frozenset({"route", "receive_template_file"})
+LOCAL_ONLY = frozenset({"receive_template_file"})
 CALLS = frozenset(name for name in dir(NodeService) if not name.startswith("_") and name not in LOCAL_ONLY)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

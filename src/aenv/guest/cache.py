@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from aenv.paths import cache_dir
-from aenv.snapshot.repository import file_digest as repository_digest
+from aenv.repository.files import file_digest as repository_digest
 
 log = logging.getLogger(__name__)
 

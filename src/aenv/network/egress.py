@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from .slots import HOST_VETH_PREFIX, NAMESPACE_VETH, SLOT_BLOCK
 VOLUME_PORT = 564  # the sandbox's volume server (aenv.volumes.server), at the namespace's tap address
 
 TABLE = "aenv"
+HOST_ADDRESSES_TTL = 5.0  # seconds a dump of the host's addresses serves new networks
 REJECT = "reject with icmpx type admin-prohibited"
 TAP_NAME = "tap0"
 
@@ -52,6 +54,8 @@ ALWAYS_DENIED: tuple[ipaddress.IPv4Network, ...] = tuple(
         str(SLOT_BLOCK),
     )
 )
+# (when, addresses) of the last `denied_host_addresses` dump
+_recent: tuple[float, list[str]] = (float("-inf"), [])
 
 DOMAINS_UNSUPPORTED = "domain entries in allowOut are not supported until TCP egress proxy is enabled"
 _DOMAIN = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.?$")
@@ -234,6 +238,25 @@ async def host_addresses() -> list[str]:
     """The root namespace's IPv4 addresses, which no guest may reach."""
     async with AsyncIPRoute() as ipr:
         return [msg.get("IFA_ADDRESS") async for msg in await ipr.addr("dump", family=2)]
+
+
+async def denied_host_addresses() -> list[str]:
+    """The host's addresses a new network's rules must name: those no always-denied range covers
+    already, from a dump at most `HOST_ADDRESSES_TTL` seconds old.
+
+    The dump lists every sandbox uplink's address too (all in `SLOT_BLOCK`, denied as a block), so
+    it grew with the sandboxes: at 256 concurrent rollouts, parsing it took 6.9 % of the node's
+    event loop (py-spy, bench `rollout`), once per new network, and made every network's rule set
+    as long as the host had sandboxes. The host's own addresses change rarely, and a network keeps
+    the ones it was made with anyway.
+    """
+    global _recent
+    taken, addresses = _recent
+    if time.monotonic() - taken > HOST_ADDRESSES_TTL:
+        found = [ipaddress.ip_address(a) for a in await host_addresses() if a]
+        addresses = [str(a) for a in found if not any(a in network for network in ALWAYS_DENIED)]
+        _recent = time.monotonic(), addresses
+    return addresses
 
 
 def _write_sysctl(path: str, value: str) -> None:

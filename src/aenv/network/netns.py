@@ -31,8 +31,8 @@ from pyroute2 import AsyncIPRoute, netns
 from .egress import (
     TAP_NAME,
     EgressPolicy,
+    denied_host_addresses,
     enable_forwarding,
-    host_addresses,
     namespace_ruleset,
     policy_update,
     run_nft,
@@ -252,7 +252,7 @@ class SandboxNetwork:
         made gets its table declared; only one whose table is unknown (adopted after a restart)
         has the table swapped whole, for which the kernel waits out an RCU grace period.
         """
-        hosts = await host_addresses()
+        hosts = await denied_host_addresses()
         if self.policy is not None:
             script = policy_update(policy, hosts)
         else:

@@ -2,7 +2,8 @@
 
 A VM started on a host without the memory for it is one the kernel's OOM killer ends later (with
 a neighbour, maybe); a pause or snapshot started on a full disk fails after the guest stopped.
-So a create or resume is refused (503) when the guest RAM of the running sandboxes would exceed
+So a create or resume is refused (429 with Retry-After: E2B's answer for "no room now", which its
+SDKs retry) when the guest RAM of the running sandboxes would exceed
 the configured multiple of the host's RAM (guests share their template's memory image, so the
 multiple is well above 1), when the host could not give the new guest what running guests
 measurably hold per MiB of their RAM (`held_mib`: their VMMs' private memory, which
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InsufficientStorage, Unavailable
+from .errors import InsufficientStorage, Overloaded
 
 
 def meminfo_mib(field: str = "MemTotal") -> int:
@@ -61,26 +62,26 @@ class Admission:
             )
 
     def check_start(self, operation: str, memory_mib: int, networks: int = 1) -> None:
-        """503 or 507 when VMs of `memory_mib` in all, needing `networks` new network slots, would
-        exceed what the node can give."""
+        """429 (`Overloaded`) or 507 when VMs of `memory_mib` in all, needing `networks` new network
+        slots, would exceed what the node can give."""
         self.check_disk(operation)
         committed = self.committed_mib()
         if committed + memory_mib > self.memory_budget_mib:
-            raise Unavailable(
+            raise Overloaded(
                 f"cannot {operation}: running sandboxes hold {committed} MiB of guest RAM and this one "
                 f"needs {memory_mib} MiB more, beyond the node's budget of {self.memory_budget_mib} MiB"
             )
         available = self.available_mib()
         needed = self.expected_mib(memory_mib, committed) + self.memory_reserve_mib
         if available < needed:
-            raise Unavailable(
+            raise Overloaded(
                 f"cannot {operation}: the host has {available} MiB of memory available, less than the "
                 f"{needed} MiB needed ({memory_mib} MiB of guest RAM as running guests use theirs, "
                 f"and a reserve of {self.memory_reserve_mib} MiB)"
             )
         free = self.free_slots()
         if free is not None and free < networks:
-            raise Unavailable(f"cannot {operation}: {free} free network slots, {networks} needed")
+            raise Overloaded(f"cannot {operation}: {free} free network slots, {networks} needed")
 
     def expected_mib(self, memory_mib: int, committed: int) -> int:
         """What VMs of `memory_mib` of guest RAM will hold: as much per MiB as the running ones hold

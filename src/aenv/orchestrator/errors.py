@@ -1,7 +1,7 @@
 """What a node operation can refuse or fail with, by kind rather than by HTTP status.
 
 The orchestrator and the node service raise these; the HTTP layer maps each kind to a status in
-one table (`aenv.api.server.STATUS`), and a gateway can map them the same way, so the same
+one table (`aenv.api.status.STATUS`), and a gateway can map them the same way, so the same
 situation always gets the same answer whichever operation met it.
 """
 
@@ -44,6 +44,19 @@ class Conflict(SandboxError):
 
 class Unavailable(SandboxError):
     """The node cannot take the operation now (capacity, shutting down); retrying later may work."""
+
+
+class Overloaded(Unavailable):
+    """No room for it right now (guest RAM, network slots; on a gateway: every node full), though
+    nothing is wrong: E2B's 429 with `Retry-After`, which the E2B SDKs retry on their own (its
+    Python SDK 3 times by default, waiting `Retry-After` seconds)."""
+
+    retry_after = 1  # seconds: E2B's clients take whole seconds; sandboxes end and free room that fast
+
+
+def parse_retry_after(value: str | None, default: int) -> int:
+    """A Retry-After of whole seconds as E2B's SDKs read it; `default` for anything else."""
+    return int(value) if value is not None and value.isascii() and value.isdecimal() else default
 
 
 class OperationFailed(SandboxError):

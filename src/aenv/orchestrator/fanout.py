@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from .errors import Conflict, InvalidRequest, NotFound, SandboxError
+from .ids import new_sandbox_id, sandbox_id_of
 from .interface import CreateRequest, FanOutFailure, FanOutRequest, FanOutResult
-from .service import new_sandbox_id, sandbox_id_of
 from .store import SandboxRecord
 
 MAX_FAN_OUT = 1000

@@ -1,9 +1,16 @@
-"""The node service: everything the HTTP API (and later a cluster gateway) may ask of a node.
+"""The node service: everything the HTTP API may ask of a node, cut into cohesive protocols.
 
-The API layer talks to a node only through `NodeService`, by sandbox id and with plain records
-in and out, so the same handlers can serve one node in process (`aenv.orchestrator.local`) or
-a gateway that forwards each call to the node holding the sandbox. Failures are the typed errors
-of `aenv.orchestrator.errors`.
+The API layer talks to a node only through these, by sandbox id and with plain records in and
+out, so the same handlers serve one node in process (`aenv.orchestrator.local.LocalNode`) or a
+gateway that forwards each call to the node that holds the sandbox (`aenv.cluster.clusternode`).
+Failures are the typed errors of `aenv.orchestrator.errors`; which HTTP route and status each
+becomes is the API's (`aenv.api`).
+
+`NodeService` is what a node and a gateway both serve, and what travels between them
+(`aenv.cluster.wire` derives the calls from its type hints): sandboxes, their handover between
+nodes, checkpoints, observation, the catalog, template builds and the node's status.
+`RouteService` (where a running sandbox's traffic goes) is a node's alone: a sandbox's network
+namespace exists only on its node, and a gateway's proxy forwards to the node instead.
 """
 
 from __future__ import annotations
@@ -11,12 +18,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..network.netns import SandboxNetwork
+from ..repository.manifest import SnapshotManifest
+from ..runtime.cache import CacheStats
 from ..snapshot.checkpoints import Checkpoint
-from ..snapshot.manifest import SnapshotManifest
-from ..storage.cache import CacheStats
 from ..template.builds import TagInfo
 from ..template.steps import BuildRequest, BuildStart
 from .housekeeping import GcTotals
@@ -138,7 +145,9 @@ class NodeStatus:
     merged_bytes: int = 0  # host RAM memory merging saves in the sandboxes' QEMUs (aenv.vmm.merge)
 
 
-class NodeService(Protocol):
+class SandboxService(Protocol):
+    """A sandbox's life: create, find, pause and resume, end, and what it may reach."""
+
     async def create(self, request: CreateRequest) -> SandboxRecord: ...
 
     async def get(self, sandbox_id: str) -> SandboxRecord: ...
@@ -161,33 +170,6 @@ class NodeService(Protocol):
 
     async def resume(self, sandbox_id: str, timeout: int | None, *, memory: bool = True) -> SandboxRecord: ...
 
-    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
-        """Resume here a sandbox paused on another node sharing this node's repository.
-
-        HTTP: `POST /sandboxes/{sandboxID}/takeover` with an optional `{"timeout": seconds}`,
-        answered 201 with the sandbox (as create's), on the node that is to run it. The pause
-        must be durable (the record's `durable`; `GET /sandboxes/{id}` on the pausing node says
-        `"durable": true`): otherwise 404, also when the pausing node has claimed the pause back
-        (resumed or ended the sandbox), both with the `error_code` `pause_gone` (`PAUSE_GONE`).
-        409 if another node took it over first (one claim in
-        the repository decides), or if the sandbox is on this node already (resume it instead).
-        The node it was paused on forgets it (its lookups answer 404 saying where it went).
-        """
-        ...
-
-    async def discard_pause(self, sandbox_id: str) -> None:
-        """Delete from the shared repository the durable pause of a sandbox paused on another node.
-
-        For a sandbox killed while its node is down (a gateway's kill, `Scheduler.tombstone`):
-        that node may never come back to delete it, and a committed pause keeps its blobs for
-        ever. HTTP: `DELETE /sandboxes/{sandboxID}/pause`, answered 204. The pause is claimed
-        first, as a take-over claims it, so whoever continues or ends the sandbox meanwhile wins
-        or loses by that one claim: 409 if another node claimed it (a take-over, or its own node
-        back), 404 if there is no such pause, 409 with `error_code` `repository_not_shared` on a
-        node whose repository is its own, and 409 if the sandbox is on this node (kill it).
-        """
-        ...
-
     async def set_timeout(self, sandbox_id: str, timeout: int) -> None: ...
 
     async def refresh(self, sandbox_id: str, duration: int | None) -> None: ...
@@ -198,13 +180,46 @@ class NodeService(Protocol):
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[SandboxRecord]: ...
 
+    async def fan_out(self, request: FanOutRequest) -> list[FanOutResult]:
+        """Start `request.count` sandboxes with the same options; one result per sandbox, in order."""
+        ...
+
     async def update_network(
         self, sandbox_id: str, allow_internet: bool | None, network: dict[str, Any]
     ) -> None: ...
 
-    async def fan_out(self, request: FanOutRequest) -> list[FanOutResult]:
-        """Start `request.count` sandboxes with the same options; one result per sandbox, in order."""
+
+class HandoverService(Protocol):
+    """A durable pause (committed to a repository nodes share) continued or ended by another node."""
+
+    async def take_over(self, sandbox_id: str, timeout: int | None) -> SandboxRecord:
+        """Resume here a sandbox durably paused on another node sharing this node's repository.
+
+        The pause must be durable (the record's `durable`, as the pausing node reports it):
+        otherwise NotFound, also when the pausing node has claimed the pause back (resumed or
+        ended the sandbox), both with the error code `PAUSE_GONE`. Conflict if another node took
+        it over first (one claim in the repository decides), or if the sandbox is on this node
+        already (resume it instead). The node it was paused on forgets it (its lookups answer
+        NotFound saying where it went).
+        """
         ...
+
+    async def discard_pause(self, sandbox_id: str) -> None:
+        """Delete from the shared repository the durable pause of a sandbox paused on another node.
+
+        For a sandbox killed while its node is down (a gateway's kill, `Scheduler.tombstone`):
+        that node may never come back to delete it, and a committed pause keeps its blobs for
+        ever. The pause is claimed first, as a take-over claims it, so whoever continues or ends
+        the sandbox meanwhile wins or loses by that one claim: Conflict if another node claimed
+        it (a take-over, or its own node back), NotFound if there is no such pause, Conflict with
+        the error code `NOT_SHARED` on a node whose repository is its own, and Conflict if the
+        sandbox is on this node (kill it).
+        """
+        ...
+
+
+class CheckpointService(Protocol):
+    """Checkpoints of a running sandbox, kept while it lives: the RL workload's reset points."""
 
     async def checkpoint(self, sandbox_id: str, name: str | None) -> Checkpoint:
         """Checkpoint the running sandbox (memory and disk), kept while it lives."""
@@ -226,6 +241,10 @@ class NodeService(Protocol):
         """Restore the running sandbox to its checkpoint (id or name): same id, URL and tokens."""
         ...
 
+
+class ObservationService(Protocol):
+    """What a sandbox's user can read of it from outside: its metrics and its console."""
+
     async def metrics(self, sandbox_id: str, start: int | None, end: int | None) -> list[dict[str, Any]]:
         """E2B `SandboxMetric`s of the sandbox between `start` and `end` (Unix seconds), oldest first."""
         ...
@@ -239,6 +258,10 @@ class NodeService(Protocol):
         first), and the number of the first (the oldest kept, for a `start` before it)."""
         ...
 
+
+class CatalogService(Protocol):
+    """The templates and snapshots sandboxes start from."""
+
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
         """Templates and snapshots users can see (a fork's internal snapshot is not one)."""
         ...
@@ -247,9 +270,9 @@ class NodeService(Protocol):
 
     async def delete_template(self, reference: str) -> None: ...
 
-    async def status(self) -> NodeStatus: ...
 
-    # -- template builds (the E2B template build API) ---------------------------------------
+class BuildService(Protocol):
+    """E2B's template build API: a build's registration, files, steps, progress, and its tags."""
 
     async def request_template_build(self, request: BuildRequest) -> BuildTicket: ...
 
@@ -280,6 +303,30 @@ class NodeService(Protocol):
     async def remove_template_tags(self, name: str, tags: list[str]) -> None: ...
 
     async def template_tags(self, reference: str) -> list[TagInfo]: ...
+
+
+class StatusService(Protocol):
+    """What operators read of the node as a whole (its `/metrics`)."""
+
+    async def status(self) -> NodeStatus: ...
+
+
+class NodeService(
+    SandboxService,
+    HandoverService,
+    CheckpointService,
+    ObservationService,
+    CatalogService,
+    BuildService,
+    StatusService,
+    Protocol,
+):
+    """Everything a node and a gateway serve alike."""
+
+
+@runtime_checkable
+class RouteService(Protocol):
+    """Where a running sandbox's data-plane traffic goes: a node's alone (see the module docstring)."""
 
     async def route(self, sandbox_id: str, *, resume: bool) -> Route | None:
         """The running sandbox's route; a paused one with auto-resume on is resumed if `resume`."""

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
+from ..repository.errors import RepositoryError, SnapshotNotFound
+from ..repository.manifest import SnapshotManifest
 from ..snapshot.checkpoints import Checkpoint
 from ..snapshot.handover import PAUSE_MARK
-from ..snapshot.manifest import SnapshotManifest
 from ..snapshot.pending import PENDING_MARK
-from ..snapshot.repository import InvalidName, RepositoryError, SnapshotNotFound
 from ..telemetry import Observe
 from ..template.builds import BUILT_MARK, TagInfo, TemplateBuilds
 from ..template.image import ImageError
@@ -28,6 +28,7 @@ from ..vmm import merge
 from . import fanout
 from .errors import Conflict, Forbidden, InvalidRequest, NotFound, SandboxError
 from .housekeeping import Housekeeper
+from .ids import catalog_name
 from .interface import (
     BuildTicket,
     CreateRequest,
@@ -38,7 +39,8 @@ from .interface import (
     NodeStatus,
     Route,
 )
-from .service import Orchestrator, Sandbox, catalog_name
+from .sandboxes import Sandbox
+from .service import Orchestrator
 from .states import api_state
 from .store import SandboxRecord
 
@@ -84,7 +86,7 @@ def _hidden(manifest: SnapshotManifest) -> bool:
 
 
 class LocalNode:
-    """`NodeService` for the sandboxes and catalog of this node process."""
+    """`NodeService` and `RouteService` for the sandboxes and catalog of this node process."""
 
     def __init__(
         self,
@@ -96,11 +98,11 @@ class LocalNode:
         self.orchestrator = orchestrator
         self.housekeeper = housekeeper
         self.node_id = node_id
-        self._engine = orchestrator.engine
-        settings = orchestrator.settings
+        self._catalog = orchestrator.catalog
+        settings, engine = orchestrator.settings, orchestrator.engine
         self.builds = TemplateBuilds(
-            settings.home_path / "templates", self._engine, max_concurrent=settings.template_builds,
-            warm=settings.warm_pool_size, observe=observe,
+            settings.home_path / "templates", engine.repository, engine.templates, engine.layers,
+            max_concurrent=settings.template_builds, events=orchestrator.events, observe=observe,
         )  # fmt: skip
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:
@@ -204,24 +206,21 @@ class LocalNode:
     async def logs(self, sandbox_id: str, start: int, limit: int) -> tuple[int, list[str]]:
         """The guest's serial console (kernel, init and envd messages), oldest first."""
         sandbox = self._sandbox(sandbox_id)
-        return await asyncio.to_thread(self._engine.serial_lines, sandbox.id, start, limit)
+        return await asyncio.to_thread(self.orchestrator.serial_lines, sandbox.id, start, limit)
 
     # -- catalog ---------------------------------------------------------------------------
 
     async def catalog(self, kind: str | None = None) -> list[SnapshotManifest]:
-        committed = [m for m in self._engine.repository.list(kind) if not _hidden(m)]
+        committed, pending = self._catalog.listing(kind)
+        committed = [m for m in committed if not _hidden(m)]
         known = {m.id for m in committed}
-        pending = [m for m in self._engine.pending.list() if m.id not in known] if kind != "template" else []
+        pending = [m for m in pending if m.id not in known] if kind != "template" else []
         return [*reversed(pending), *committed]  # newest first: those being committed are newer
 
     async def find(self, reference: str, kind: str | None = None) -> SnapshotManifest:
-        manifest = self._engine.pending.get(catalog_name(reference))
-        try:
-            manifest = manifest or self._engine.repository.get(catalog_name(reference))
-        except (SnapshotNotFound, InvalidName):
-            manifest = await self.orchestrator.committed_elsewhere(catalog_name(reference))
+        manifest = await self._catalog.find(reference)
         if manifest is None:
-            failure = self._engine.pending.failure(catalog_name(reference))  # answered, then failed
+            failure = self._catalog.failure(reference)  # answered, then failed
             raise NotFound(failure or f"'{reference}' not found")
         if PAUSE_MARK in manifest.metadata:
             raise NotFound(f"'{reference}' not found")
@@ -240,29 +239,23 @@ class LocalNode:
         if BUILT_MARK in manifest.metadata and manifest.alias in self.builds.templates:
             await self._delete_built(manifest.alias)
             return
-        pool = self._engine.pool
-        if manifest.kind == "template" or pool.target(manifest.id) > 0:
+        if manifest.kind == "template" or self._catalog.warm(manifest.id)[0] > 0:
             name = manifest.alias or manifest.id
             raise Conflict(
                 f"'{name}' is built into this node: creates and a warm pool use it, so it cannot be deleted"
             )
-        await pool.drain(manifest.id)
-        # One still being committed is cancelled instead: it never becomes visible.
-        if not (PENDING_MARK in manifest.metadata and await self._engine.pending.cancel(manifest.id)):
-            try:
-                self._engine.repository.delete(manifest.id, defer=True)
-            except RepositoryError as exc:
-                raise Conflict(str(exc)) from exc
+        try:
+            await self._catalog.delete(manifest.id, pending=PENDING_MARK in manifest.metadata)
+        except RepositoryError as exc:
+            raise Conflict(str(exc)) from exc
         log.info("deleted %s %s (alias %s) at the API's request", manifest.kind, manifest.id, manifest.alias)
 
     async def _delete_built(self, name: str) -> None:
         if self.builds.building(name):
             raise Conflict(f"template '{name}' has a build in progress; delete it when the build ends")
-        pool = self._engine.pool
         for snapshot_id in self.builds.forget(name):
-            await pool.drain(snapshot_id)
             with contextlib.suppress(SnapshotNotFound):
-                self._engine.repository.delete(snapshot_id, defer=True)
+                await self._catalog.delete(snapshot_id)
         log.info("deleted user-built template %s at the API's request", name)
 
     # -- template builds -------------------------------------------------------------------
@@ -311,7 +304,7 @@ class LocalNode:
         with template_errors():
             pruned = self.builds.remove_tags(name, tags)
         for snapshot_id in pruned:  # no tag names the build any more: no warm VMs for it
-            await self._engine.pool.drain(snapshot_id)
+            await self._catalog.drain(snapshot_id)
 
     async def template_tags(self, reference: str) -> list[TagInfo]:
         with template_errors():
@@ -329,9 +322,9 @@ class LocalNode:
             create_successes=self.orchestrator.counters["create_successes"],
             create_failures=self.orchestrator.counters["create_failures"],
             lost=self.orchestrator.counters["lost"],
-            parked=len(self._engine.parked),
+            parked=self.orchestrator.parked(),
             gc=self.housekeeper.totals,
-            cache=self._engine.runtime.cache_stats(),
+            cache=self._catalog.cache_stats(),
             merged_bytes=merged,
         )
 

@@ -30,7 +30,7 @@ from .admission import meminfo_mib
 from .states import State
 
 if TYPE_CHECKING:
-    from .service import Sandbox
+    from .sandboxes import Sandbox
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from .errors import Conflict, NotFound, SandboxError
-
-if TYPE_CHECKING:
-    from .store import SandboxRecord
 
 
 class State(StrEnum):
@@ -84,7 +81,18 @@ TRANSITIONS: dict[Op, Transition] = {
 }
 
 
-def refusal(record: SandboxRecord, op: Op) -> SandboxError:
+class Stateful(Protocol):
+    """What the table reads and moves of a sandbox's record (`store.SandboxRecord`)."""
+
+    sandbox_id: str
+    state: State
+    generation: int
+
+
+R = TypeVar("R", bound=Stateful)
+
+
+def refusal(record: Stateful, op: Op) -> SandboxError:
     """The error for `op` from the record's current state, worded for the client."""
     if record.state == State.KILLING:
         return NotFound(f"sandbox {record.sandbox_id} not found")
@@ -98,9 +106,7 @@ def refusal(record: SandboxRecord, op: Op) -> SandboxError:
 
 
 @contextlib.contextmanager
-def transition(
-    record: SandboxRecord, op: Op, persist: Callable[[SandboxRecord], None]
-) -> Iterator[Transition]:
+def transition(record: R, op: Op, persist: Callable[[R], None]) -> Iterator[Transition]:
     """Run one operation's state change around the caller's work (the sandbox's lock is held).
 
     On success the record settles in the table's target state and is persisted (a removed

@@ -72,6 +72,10 @@ class SandboxStore:
     def delete(self, sandbox_id: str) -> None:
         self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        row = self._db.execute("SELECT body FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return None if row is None else SandboxRecord(**json.loads(row[0]))
+
     def all(self) -> list[SandboxRecord]:
         rows = self._db.execute("SELECT body FROM sandboxes ORDER BY created_at DESC, id").fetchall()
         return [SandboxRecord(**json.loads(body)) for (body,) in rows]

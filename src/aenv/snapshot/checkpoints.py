@@ -19,6 +19,14 @@ and would still have to turn every page changed since the checkpoint back into t
 (writing it from outside leaves it private) and rebuild the disk chain under a running device.
 A new process costs its spawn (~30 ms here) over that, and reuses the resume path as it is.
 
+Checkpoints stay on the node that took them: they are over its memory image and disk layers,
+and a node restart keeps them with the sandbox's directory. A durably paused sandbox that another
+node takes over continues from its pause snapshot without them (copying every checkpoint's delta
+and layers to the repository would make each durable pause pay for all of them): its pause
+snapshot names the checkpoints it had (`LEFT_BEHIND`), the node that took it over records them
+(`LEFT_FILE`), and a reset, delete or promotion naming one answers that it stayed behind rather
+than that it never existed. The node it came from removes them with the rest of the sandbox.
+
 Lineage: every checkpoint records its parent, the checkpoint the sandbox's state came from (its
 last checkpoint or reset), or the snapshot the sandbox started from; snapshots of the sandbox
 record the checkpoint too (`source.checkpoint_id`).
@@ -27,6 +35,7 @@ record the checkpoint too (`source.checkpoint_id`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
@@ -34,16 +43,20 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..storage.layers import new_layer_id
-from ..vmm import migration
-from . import devstate, memory
+from ..repository.manifest import utc_now
+from ..runtime.layers import new_layer_id
+from ..vmm import devstate, migration
+from . import memory
 from .clones import Clones
 from .host import Host
-from .manifest import utc_now
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
 
 CHECKPOINTS_DIR = "checkpoints"
 RECORD = "checkpoint.json"
+# A pause snapshot's metadata: the checkpoints (JSON [[id, name], ...]) of the paused sandbox, and
+# the node holding them; in a taken-over sandbox's checkpoints directory, the same as a file.
+LEFT_BEHIND = "aenv.checkpoints-left"
+LEFT_FILE = "left-behind.json"
 MAX_CHECKPOINTS = 64  # per sandbox: each holds a delta layer and a disk layer on the node's disk
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 ID = re.compile(r"cp[0-9a-f]{16}")
@@ -103,7 +116,28 @@ class Checkpoints:
         for checkpoint in self.list(sandbox_id):
             if reference in (checkpoint.checkpoint_id, checkpoint.name):
                 return checkpoint
-        raise CheckpointNotFound(f"sandbox {sandbox_id} has no checkpoint {reference[:80]!r}")
+        message = f"sandbox {sandbox_id} has no checkpoint {reference[:80]!r}"
+        left = self._root(sandbox_id) / LEFT_FILE
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            record = json.loads(left.read_text())
+            if any(reference in pair for pair in record["checkpoints"]):
+                message += (
+                    f": it stayed on node {record['node']}, which the sandbox was taken over from "
+                    "(checkpoints stay on the node that took them)"
+                )
+        raise CheckpointNotFound(message)
+
+    def carried(self, sandbox_id: str, node: str) -> dict[str, str]:
+        """What a pause snapshot of the sandbox tells a node taking it over of its checkpoints."""
+        found = [[c.checkpoint_id, c.name] for c in self.list(sandbox_id)]
+        return {LEFT_BEHIND: json.dumps({"node": node, "checkpoints": found})} if found else {}
+
+    def left_behind(self, sandbox_id: str, pause_metadata: dict[str, str]) -> None:
+        """Record, for a sandbox just taken over, the checkpoints it had on its former node."""
+        if LEFT_BEHIND in pause_metadata:
+            root = self._root(sandbox_id)
+            root.mkdir(exist_ok=True)
+            (root / LEFT_FILE).write_text(pause_metadata[LEFT_BEHIND])
 
     def files(self, sandbox_id: str, checkpoint: Checkpoint) -> tuple[Path, Path]:
         """The checkpoint's device state and delta layer."""
@@ -199,5 +233,6 @@ class Checkpoints:
         finally:
             stream.unlink(missing_ok=True)
         await sandbox.guest.destroy(keep_files=True)
-        self.host.layers.remove(old.disk_layers[-1])  # its writable top: no checkpoint holds it
+        # Its writable top (no checkpoint holds it), in a thread as a kill removes one.
+        await asyncio.to_thread(self.host.layers.remove, old.disk_layers[-1])
         return fresh

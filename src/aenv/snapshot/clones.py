@@ -19,13 +19,13 @@ from pathlib import Path
 
 from ..agent.envd.system_api import CLOCK_TOLERANCE_NS
 from ..network.netns import SandboxNetwork
+from ..repository.manifest import SnapshotManifest
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import GuestVM, boot_guest, guest_machine
 from ..vmm.machine import MachineConfig, MemoryMode, VirtualMachine
 from . import memory
 from .host import Host
-from .manifest import SnapshotManifest
 from .model import EngineError, GuestInit, SandboxState, SandboxVM, clock_payload
 
 log = logging.getLogger(__name__)

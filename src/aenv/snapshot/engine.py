@@ -5,7 +5,7 @@ which becomes the immutable memory image; every sandbox maps that image privatel
 its own anonymous pages. Pause and snapshot save device state without RAM plus those pages (a
 delta layer); restore spawns QEMU on the image, writes the delta back, and loads the template's
 stream prefix spliced with the sandbox's device sections. Disks are qcow2 chains
-(`aenv.storage.layers`): a snapshot seals the sandbox's writable layer, so it costs no copy.
+(`aenv.runtime.layers`): a snapshot seals the sandbox's writable layer, so it costs no copy.
 
 Each concern lives in its own module and this class only wires them together and keeps the
 public surface callers use: `templates` (builds), `lifecycle` (start, resume, snapshot, fork,
@@ -17,34 +17,40 @@ garbage), `warm` (warm VMs for `warm_pool`), `clones` (restore and capture), ove
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
+from ..events import EventBus
 from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
-from ..storage.layers import LayerStore
-from ..storage.protocols import Repository, RuntimeResolver
-from ..storage.runtime import LocalRuntime
+from ..repository.contract import Repository
+from ..repository.manifest import SnapshotManifest
+from ..repository.posix import SnapshotRepository
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore
+from ..runtime.resolvers import LocalRuntime
 from ..vmm.accel import Accelerator
 from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
-from .handover import Handover
+from .handover import Describe, Handover
 from .host import Host
 from .lifecycle import Lifecycle
-from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxVM
 from .parking import ParkingPolicy
 from .pausing import Pauses
 from .pending import PendingSnapshots
 from .recovery import Recovery, kill_unclaimed_vms
-from .repository import SnapshotRepository
 from .templates import TemplateBuilder
 from .warm import WarmVMs
 from .warm_pool import WarmPool
 
 __all__ = ["EngineError", "GarbageReport", "GuestInit", "SandboxState", "SandboxVM", "SnapshotEngine"]
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotEngine:
@@ -53,7 +59,9 @@ class SnapshotEngine:
     `runtime` resolves snapshots to local files; by default the files of a repository on this
     host's filesystem are used in place. With `durable_pauses` (a repository other nodes share),
     every pause is also committed to the repository in the background, so another node can
-    take the paused sandbox over (`aenv.snapshot.handover`).
+    take the paused sandbox over (`aenv.snapshot.handover`), carrying what `describe` says of it.
+    Its parts publish on `events` (pauses saved and durable, snapshots failed) and the warm pools
+    follow template builds there, keeping `warm_size` VMs of each new one.
     """
 
     def __init__(
@@ -68,6 +76,9 @@ class SnapshotEngine:
         parking: ParkingPolicy | None = None,
         runtime: RuntimeResolver | None = None,
         durable_pauses: bool = False,
+        events: EventBus | None = None,
+        describe: Describe | None = None,
+        warm_size: int = 0,
     ):
         self.layers = LayerStore(home / "layers")
         self.sandboxes_dir = home / "sandboxes"
@@ -84,21 +95,21 @@ class SnapshotEngine:
         )  # fmt: skip
         self.repository, self.runtime, self.artifacts, self.accel = repository, runtime, artifacts, accel
         self.networks = networks
+        self.events = events = events or EventBus()
         self.clones = clones = Clones(self.host)
         self.templates = TemplateBuilder(self.host, artifacts)
         self.warm = WarmVMs(self.host, clones)
-        self.pool = WarmPool(self.warm)
+        self.pool = WarmPool(self.warm, events=events, size=warm_size)
         # Off unless asked for: without it, every pause ends the QEMU process at once.
-        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0))
+        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0), events)
         self.parked = self.pauses.lot
-        self.handover = Handover(self.host, durable_pauses)
-        self.pauses.on_saved = self.handover.paused
-        self.pending = PendingSnapshots(self.host, repository.pending_dir())
+        self.checkpoints = Checkpoints(self.host, clones)
+        self.handover = Handover(self.host, durable_pauses, events, describe, self.checkpoints.carried)
+        self.pending = PendingSnapshots(self.host, repository.pending_dir(), events)
         self.lifecycle = Lifecycle(
             self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
         )
         self.recovery = Recovery(self.host, clones, self.warm.directory)
-        self.checkpoints = Checkpoints(self.host, clones)
 
     def stop_within(self, seconds: float) -> None:
         """The node stops: from now on its waits for the store end `seconds` from now (`StopDeadline`)."""
@@ -147,6 +158,10 @@ class SnapshotEngine:
         """Build and commit a template; `options` are `TemplateBuilder.build`'s."""
         return await self.templates.build(alias, **options)
 
+    async def keep_warm(self, snapshot_id: str) -> None:
+        """Keep the node's number of warm VMs of a template (`warm_size`)."""
+        await self.pool.set_target(snapshot_id, self.pool.size)
+
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(
@@ -184,13 +199,20 @@ class SnapshotEngine:
 
     async def take_over(self, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy) -> SandboxVM:
         """Continue here a sandbox paused on another node, from its pause snapshot (`handover.find`)."""
-        return await self.handover.take_over(self.lifecycle, pause, init, policy)
+        sandbox = await self.handover.take_over(self.lifecycle.start, pause, init, policy)
+        self.checkpoints.left_behind(sandbox.sandbox_id, pause.metadata)
+        return sandbox
 
     async def fork(self, sandbox: SandboxVM, children: list[tuple[str, GuestInit]]) -> list[SandboxVM]:
         return await self.lifecycle.fork(sandbox, children)
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         await self.lifecycle.kill(sandbox)
+        ended = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
+        try:
+            await asyncio.to_thread(self.recovery.remove_sealed_layers, ended, self.pending.layers())
+        except Exception:  # the sandbox is gone either way; the collector removes them later
+            log.exception("removing the sealed disk layers of sandbox %s failed", ended.sandbox_id)
 
     async def checkpoint(self, sandbox: SandboxVM, name: str | None) -> Checkpoint:
         return await self.checkpoints.create(sandbox, name)

@@ -32,23 +32,28 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ..events import EventBus, PauseDurable, PauseSaved
 from ..network.egress import EgressPolicy
+from ..repository.manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .host import Host
-from .manifest import SnapshotManifest, new_snapshot_id, utc_now
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
-
-if TYPE_CHECKING:
-    from .lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
 PAUSE_MARK = "aenv.paused-sandbox"  # metadata of a pause snapshot: the id of the paused sandbox
 PAUSED_ON = "aenv.paused-on"  # metadata of a pause snapshot: the node it was paused on
+
+
+# How a sandbox starts from a snapshot here (`Lifecycle.start`): snapshot, sandbox id, init, policy.
+Start = Callable[[str, str, GuestInit, EgressPolicy], Awaitable[SandboxVM]]
+# The metadata a sandbox's pause snapshot carries to the node taking it over (its id -> them).
+Describe = Callable[[str], dict[str, str]]
+# What a pause says of the sandbox's checkpoints that stay on its node (sandbox id, node) → metadata.
+Carried = Callable[[str, str], dict[str, str]]
 
 
 def pause_alias(sandbox_id: str) -> str:
@@ -94,13 +99,23 @@ class PauseReclaimed(EngineError):
 class Handover:
     """Commits pauses to the repository in the background and hands paused sandboxes over."""
 
-    def __init__(self, host: Host, enabled: bool):
+    def __init__(
+        self,
+        host: Host,
+        enabled: bool,
+        events: EventBus | None = None,
+        describe: Describe | None = None,
+        carried: Carried | None = None,
+    ):
         self.host = host
         self.enabled = enabled
-        # The sandbox's description carried by its pause snapshot (set by the node service).
-        self.describe: Callable[[str], dict[str, str]] = lambda sandbox_id: {}
-        # Told a sandbox id when its pause is committed, so the node can report it as durable.
-        self.on_durable: Callable[[str], None] = lambda sandbox_id: None
+        # The sandbox's description carried by its pause snapshot (the node's record of it).
+        self.describe: Describe = describe or (lambda sandbox_id: {})
+        # What it says of the sandbox's checkpoints, which stay here (`aenv.snapshot.checkpoints`).
+        self.carried: Carried = carried or (lambda sandbox_id, node: {})
+        # Told `PauseDurable` when a pause is committed, so the node can report it as durable.
+        self.events = events or EventBus()
+        self.events.subscribe(PauseSaved, lambda saved: self.paused(saved.state, saved.origin))
         self._uploads: dict[str, _Upload] = {}
 
     @property
@@ -113,7 +128,12 @@ class Handover:
         """The pause is on this node's disk: commit it to the repository in the background."""
         if not self.enabled or state.durable is not None:
             return
-        metadata = {**self.describe(state.sandbox_id), PAUSE_MARK: state.sandbox_id, PAUSED_ON: self.node}
+        metadata = {
+            **self.describe(state.sandbox_id),
+            **self.carried(state.sandbox_id, self.node),
+            PAUSE_MARK: state.sandbox_id,
+            PAUSED_ON: self.node,
+        }
         upload = _Upload(dataclasses.replace(state, disk_layers=list(state.disk_layers)))
         upload.task = asyncio.create_task(self._upload(upload, state, origin, metadata))
         self._uploads[state.sandbox_id] = upload
@@ -173,7 +193,7 @@ class Handover:
             return
         state.durable = manifest.id
         state.save(self.host.workdir(state.sandbox_id))
-        self.on_durable(state.sandbox_id)
+        self.events.publish(PauseDurable(state.sandbox_id))
         log.info("pause of sandbox %s is durable as %s", state.sandbox_id, manifest.id)
 
     def _commit(
@@ -256,7 +276,7 @@ class Handover:
         return self.host.repository.get(pause_alias(sandbox_id))
 
     async def take_over(
-        self, lifecycle: Lifecycle, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
+        self, start: Start, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
     ) -> SandboxVM:
         """Claim the pause snapshot and continue the sandbox from it here, under the same id.
 
@@ -268,7 +288,7 @@ class Handover:
             gone = PauseReclaimed if winner == pause.metadata.get(PAUSED_ON) else SandboxMoved
             raise gone(sandbox_id, winner)
         try:
-            sandbox = await lifecycle.start(pause.id, sandbox_id, init, policy)
+            sandbox = await start(pause.id, sandbox_id, init, policy)
         except BaseException:
             await asyncio.to_thread(self.host.repository.unclaim, pause.id)
             raise

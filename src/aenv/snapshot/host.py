@@ -24,12 +24,13 @@ from pathlib import Path
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
-from ..storage.layers import LayerStore
-from ..storage.protocols import Repository, RuntimeResolver
+from ..repository.contract import Repository
+from ..repository.manifest import MachineShape, SnapshotManifest
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore
 from ..vmm import serial
 from ..vmm.accel import Accelerator
 from ..vmm.machine import MACHINE_TYPE, QEMU_BINARY
-from .manifest import MachineShape, SnapshotManifest
 from .model import STATE_FILE, EngineError, SandboxState
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..network.egress import EgressPolicy
+from ..repository.contract import GcReport
+from ..repository.manifest import SnapshotManifest
 from ..vmm.envd_link import EnvdLink, utc_timestamp
 from ..vmm.launcher import GuestVM
 from ..vmm.machine import VirtualMachine
-from .manifest import SnapshotManifest
-from .repository import GcReport
 
 STATE_FILE = "state.json"
 # Metadata of a filesystem-only snapshot (no memory): sandboxes started from it boot from its disk.

@@ -13,15 +13,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from ..events import EventBus, PauseSaved
 from ..vmm import migration
 from . import memory
 from .clones import Clones
 from .host import Host
-from .manifest import SnapshotManifest
 from .model import EngineError, GuestInit, SandboxState, SandboxVM
 from .parking import ParkedVM, ParkingLot, ParkingPolicy
 
@@ -33,12 +32,12 @@ SYNC_TIMEOUT = 120.0  # a guest writing out a large page cache under TCG is slow
 class Pauses:
     """Pauses sandboxes and owns the lot of parked ones (whose `release` callback it is)."""
 
-    def __init__(self, host: Host, clones: Clones, policy: ParkingPolicy):
+    def __init__(self, host: Host, clones: Clones, policy: ParkingPolicy, events: EventBus):
         self.host = host
         self.clones = clones
         self.lot = ParkingLot(policy, self.release)
-        # Told when a pause is wholly on this node's disk (`Handover.paused` commits it onward).
-        self.on_saved: Callable[[SandboxState, SnapshotManifest], None] = lambda state, origin: None
+        # Told when a pause is wholly on this node's disk (`Handover` commits it onward).
+        self.events = events
 
     async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
         """Stop the sandbox and save it to disk; a resume continues it exactly.
@@ -62,7 +61,7 @@ class Pauses:
         state.delta, state.pid = str(delta.path), None
         state.save(workdir)
         await sandbox.guest.destroy(keep_files=True)
-        self.on_saved(state, sandbox.manifest)
+        self.events.publish(PauseSaved(state, sandbox.manifest))
         await asyncio.to_thread(_unlink, previous)
         return state
 
@@ -93,7 +92,7 @@ class Pauses:
         await migration.stop(sandbox.vm)  # QEMU drains and flushes the disk's pending writes
         await sandbox.guest.destroy(keep_files=True)
         self.forget_memory(sandbox.state)
-        self.on_saved(sandbox.state, sandbox.manifest)
+        self.events.publish(PauseSaved(sandbox.state, sandbox.manifest))
         return sandbox.state
 
     def forget_memory(self, state: SandboxState) -> None:
@@ -165,7 +164,7 @@ class Pauses:
             return
         sandbox.state.devices, sandbox.state.delta = files
         sandbox.state.save(self.host.workdir(sandbox.sandbox_id))
-        self.on_saved(sandbox.state, sandbox.manifest)
+        self.events.publish(PauseSaved(sandbox.state, sandbox.manifest))
         await asyncio.to_thread(_unlink, previous)
 
     async def release(self, parked: ParkedVM) -> None:

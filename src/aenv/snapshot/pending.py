@@ -25,7 +25,7 @@ Until then:
 
 A commit that fails (the repository unwritable, say) rolls the snapshot back: its pending
 files go, blobs it stored already stay unnamed until the collector's grace period ends (a blob
-may be another snapshot's too), and `on_failed` is told, so that the disk layer its capture
+may be another snapshot's too), and `SnapshotFailed` is published, so that the disk layer its capture
 sealed is unsealed (`Lifecycle.unseal`) and the sandbox's chain is as it was. The API then
 answers for the snapshot with why it failed (`failure`) instead of a bare 404.
 
@@ -44,13 +44,14 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..events import EventBus, SnapshotFailed
+from ..repository.errors import SnapshotNotFound
+from ..repository.files import file_digest
+from ..repository.manifest import SnapshotManifest
 from .host import Host
-from .manifest import SnapshotManifest
-from .repository import SnapshotNotFound, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,15 @@ class _Entry:
 class PendingSnapshots:
     """This node's snapshots between their capture and their commit."""
 
-    def __init__(self, host: Host, root: Path):
+    def __init__(self, host: Host, root: Path, events: EventBus | None = None):
         self.host = host
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
         self._failures: OrderedDict[str, str] = OrderedDict()  # id and alias -> why it failed
-        # Told of a snapshot whose commit failed (after its rollback): the sandbox's disk layer
-        # sealed for it is to be unsealed. Must not block.
-        self.on_failed: Callable[[SnapshotManifest], None] = lambda manifest: None
+        # Told `SnapshotFailed` after a commit's rollback: the sandbox's disk layer sealed for it
+        # is to be unsealed.
+        self.events = events or EventBus()
 
     def directory(self, snapshot_id: str) -> Path:
         """Where a snapshot's capture goes before it is committed (made here, empty)."""
@@ -152,7 +153,7 @@ class PendingSnapshots:
         while len(self._failures) > FAILURES_KEPT:
             self._failures.popitem(last=False)
         try:
-            self.on_failed(manifest)
+            self.events.publish(SnapshotFailed(manifest))
         except Exception:  # the rollback of the snapshot itself is done; the layer stays sealed
             log.exception("unsealing the disk layer of failed snapshot %s failed", manifest.id)
 

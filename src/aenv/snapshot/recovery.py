@@ -19,14 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..network.netns import SandboxNetwork
-from ..storage.layers import LayerStore
+from ..repository.errors import RepositoryError
+from ..repository.manifest import SnapshotManifest
+from ..runtime.layers import LayerStore
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import GuestVM
 from ..vmm.machine import VirtualMachine
 from .clones import Clones
 from .host import Host
-from .manifest import SnapshotManifest
 from .model import EngineError, GarbageReport, SandboxState, SandboxVM
 from .warm import WarmRecord
 
@@ -190,9 +191,7 @@ class Recovery:
         from the warm pool.
         """
         host = self.host
-        used = {layer for m in host.repository.list() for layer in m.disk_layers}
-        used |= {layer for s in host.sandbox_states() for layer in (*s.disk_layers, *s.kept_layers)}
-        used |= self._warm_layers() | layers_of_running_vms(host.layers) | (keep or set())
+        used = self._layers_in_use(keep or set())
         cutoff = time.time() - (LAYER_GRACE_SECONDS if grace_seconds is None else grace_seconds)
         orphans = sorted(i for i in host.layers.all_ids() - used if host.layers.modified(i) < cutoff)
         for layer in orphans:
@@ -200,6 +199,34 @@ class Recovery:
         host.runtime.prune(host.repository.is_live)
         blobs = host.repository.gc(grace_seconds=grace_seconds)
         return GarbageReport(removed_layers=tuple(orphans), blobs=blobs)
+
+    def _layers_in_use(self, keep: set[str]) -> set[str]:
+        host = self.host
+        used = {layer for m in host.repository.list() for layer in m.disk_layers}
+        used |= {layer for s in host.sandbox_states() for layer in (*s.disk_layers, *s.kept_layers)}
+        return used | self._warm_layers() | layers_of_running_vms(host.layers) | keep
+
+    def remove_sealed_layers(self, ended: SandboxState, keep: set[str]) -> tuple[str, ...]:
+        """Remove the disk layers an ended sandbox sealed (its pauses', snapshots' and
+        checkpoints') that nothing else names, at once rather than after the collector's grace:
+        a rollout that checkpoints and is killed would otherwise leave a layer for an hour, and
+        a trainer runs thousands of them. Its snapshot's layers are not its own and stay; a
+        snapshot made of it, a fork's chain or a snapshot still being committed (`keep`) keeps
+        the layers it names. Called in a thread: it reads the repository's manifests."""
+        host = self.host
+        sealed = {*ended.disk_layers[:-1], *ended.kept_layers}
+        if not sealed:
+            return ()
+        try:
+            sealed -= set(host.repository.get(ended.snapshot_id).disk_layers)
+        except RepositoryError:  # its snapshot's layers unknown: the collector decides later
+            return ()
+        if not sealed:
+            return ()
+        removed = tuple(sorted(sealed - self._layers_in_use(keep)))
+        for layer in removed:
+            host.layers.remove(layer)
+        return removed
 
     def _warm_layers(self) -> set[str]:
         layers = set()

@@ -27,20 +27,19 @@ from pathlib import Path
 
 from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
-from ..storage.layers import new_layer_id
+from ..repository.files import file_digest
+from ..repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
+from ..runtime.layers import new_layer_id
 from ..template.runner import LOGIN_SHELL, LineLog, Log, StepRunner, sync
 from ..template.stepcache import CachedStep, StepCache
 from ..template.steps import BuildState, Step, step_key
-from ..vmm import migration
+from ..vmm import devstate, migration
 from ..vmm.accel import default_vcpus
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import BootFiles, GuestVM, boot_guest, guest_machine
 from ..vmm.machine import MACHINE_TYPE, MemoryMode
-from . import devstate
 from .host import Host
-from .manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
 from .model import EngineError, GuestInit
-from .repository import file_digest
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
+from ..repository.manifest import SnapshotManifest
 from ..vmm.envd_link import EnvdLink
 from ..vmm.machine import VirtualMachine
 from .clones import Clones
 from .host import Host
-from .manifest import SnapshotManifest
 from .model import GuestInit, SandboxState, SandboxVM, clock_payload, replace_text
 from .warm_pool import REFRESH_INTERVAL, WarmVM
 

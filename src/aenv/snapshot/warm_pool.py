@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ..events import EventBus, TemplateBuilt
 from ..network.netns import SandboxNetwork
 from ..vmm.envd_link import EnvdLink
 from ..vmm.machine import VirtualMachine
@@ -60,8 +61,18 @@ class WarmSource(Protocol):
 class WarmPool:
     """Per-snapshot sets of warm VMs, made and undone by `source`."""
 
-    def __init__(self, source: WarmSource, refresh_interval: float = REFRESH_INTERVAL):
+    def __init__(
+        self,
+        source: WarmSource,
+        refresh_interval: float = REFRESH_INTERVAL,
+        *,
+        events: EventBus | None = None,
+        size: int = 0,
+    ):
         self._source = source
+        self.size = size  # how many warm VMs a newly built template keeps (the node's setting)
+        if events is not None:
+            events.subscribe(TemplateBuilt, self.built)
         self._interval = refresh_interval
         self._targets: dict[str, int] = {}
         self._ready: dict[str, list[WarmVM]] = {}
@@ -81,6 +92,14 @@ class WarmPool:
         while len(ready) > self._targets[snapshot_id]:
             await self._source.discard(ready.pop())
         self.refill(snapshot_id)
+
+    async def built(self, event: TemplateBuilt) -> None:
+        """Creates from a new build start from warm VMs, as from `base` (the node sets the pools
+        of the templates it has at start; a build's would otherwise wait for a restart); the
+        builds it replaced keep none."""
+        for old in event.replaced:
+            await self.drain(old)
+        await self.set_target(event.snapshot_id, self.size)
 
     def take(self, snapshot_id: str) -> WarmVM | None:
         """A warm VM for the snapshot, if one is ready; the caller calls `refill` once it is done.

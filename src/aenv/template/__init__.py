@@ -1,7 +1,7 @@
 """Templates from users' own images: the image side (pull, unpack, base disk layer).
 
-The future template builder (the E2B template build API and ``aenv template build``) starts a
-build from ``fromImage``; this package turns that reference into a verified local image and a
+The template builds (``builds``: the E2B template build API and ``aenv template build``) start
+a build from ``fromImage``; this package turns that reference into a verified local image and a
 qcow2 base layer the build VM boots from::
 
     store = ImageStore()                                   # <node home>/images

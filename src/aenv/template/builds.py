@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from aenv.clock import rfc3339
-from aenv.snapshot.engine import SnapshotEngine
-from aenv.snapshot.manifest import RuntimeContext, SnapshotManifest
-from aenv.snapshot.repository import RepositoryError, SnapshotNotFound
-from aenv.snapshot.templates import Stage, StageFailed, StepBuild
+from aenv.events import EventBus, TemplateBuilt
+from aenv.repository.contract import Repository
+from aenv.repository.errors import RepositoryError, SnapshotNotFound
+from aenv.repository.manifest import RuntimeContext, SnapshotManifest
+from aenv.runtime.layers import LayerStore
+from aenv.snapshot.templates import Stage, StageFailed, StepBuild, TemplateBuilder
 from aenv.telemetry import Observe
 from aenv.template.disk import base_layer, base_layer_key
 from aenv.template.image import ImageError
@@ -114,15 +116,17 @@ class TemplateBuilds:
     def __init__(
         self,
         root: Path,
-        engine: SnapshotEngine,
+        repository: Repository,
+        builder: TemplateBuilder,
+        layers: LayerStore,
         *,
         max_concurrent: int = 2,
-        warm: int = 0,
+        events: EventBus | None = None,
         observe: Observe | None = None,
     ):
         self.root = root
-        self.engine = engine
-        self.warm = warm  # warm VMs kept per built template, as for the node's own (0: none)
+        self.repository, self.builder, self.layers = repository, builder, layers
+        self.events = events or EventBus()  # told `TemplateBuilt` (the warm pools follow)
         self._observe = observe  # each build's time, queue included (`aenv.telemetry`)
         self.records_dir = root / "records"
         self.records_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +214,7 @@ class TemplateBuilds:
     def _check_free(self, name: str) -> None:
         """A new template may not take the name of a template or snapshot aenv did not build."""
         with contextlib.suppress(SnapshotNotFound):
-            manifest = self.engine.repository.get(name)
+            manifest = self.repository.get(name)
             if BUILT_MARK not in manifest.metadata:
                 raise BuildRefused(f"'{name}' is already the name of another template or snapshot")
 
@@ -240,7 +244,7 @@ class TemplateBuilds:
                 manifest = await self._build(record, build, start)
             build.snapshot_id = manifest.id
             replaced = self._publish(record, build, build.tags)
-            await self._keep_warm(manifest.id, replaced)
+            await self.events.deliver(TemplateBuilt(manifest.id, tuple(replaced)))
             build.status = "ready"
             build.logs.append(_entry("info", f"template {record.template_id} is ready", "finalize"))
             log.info("template %s build %s ready (%s)", record.template_id, build.build_id, manifest.id)
@@ -289,7 +293,7 @@ class TemplateBuilds:
             min_free_disk_mib=build.min_free_disk_mb,
             metadata={BUILT_MARK: build.build_id},
         )  # fmt: skip
-        return await self.engine.templates.build_steps(
+        return await self.builder.build_steps(
             plan,
             self.cache,
             lambda guest: StepRunner(guest.envd, self.uploads, lambda line: say(_current(build), line)),
@@ -306,7 +310,7 @@ class TemplateBuilds:
         if start.from_template is not None:
             snapshot = self.resolve(start.from_template) or start.from_template
             try:
-                manifest = self.engine.repository.get(split_name(snapshot)[0])
+                manifest = self.repository.get(split_name(snapshot)[0])
             except (SnapshotNotFound, RepositoryError):
                 raise StageFailed("base", f"template '{start.from_template}' not found") from None
             say("base", f"FROM template {start.from_template} ({manifest.id})")
@@ -329,7 +333,7 @@ class TemplateBuilds:
             disk = await asyncio.to_thread(base_layer, image)
         except ImageError as exc:
             raise StageFailed("base", str(exc)) from exc
-        layer = self.engine.layers.import_base(disk, base_layer_key(image))
+        layer = self.layers.import_base(disk, base_layer_key(image))
         return (layer,), BuildState(env=image.config.env_vars), True, None
 
     def _publish(self, record: TemplateRecord, build: BuildRecord, tags: list[str]) -> list[str]:
@@ -339,7 +343,7 @@ class TemplateBuilds:
         for tag in tags:
             record.tags[tag] = build.build_id
             record.tagged_at[tag] = now
-        repository = self.engine.repository
+        repository = self.repository
         with contextlib.suppress(SnapshotNotFound):
             repository.remove_alias(record.template_id)
         assert build.snapshot_id is not None
@@ -352,19 +356,10 @@ class TemplateBuilds:
         for build in record.builds.values():
             if build.snapshot_id and build.build_id not in kept and build.status == "ready":
                 with contextlib.suppress(RepositoryError):
-                    self.engine.repository.delete(build.snapshot_id, defer=True)
+                    self.repository.delete(build.snapshot_id, defer=True)
                 pruned.append(build.snapshot_id)
                 build.snapshot_id = None
         return pruned
-
-    async def _keep_warm(self, snapshot_id: str, replaced: list[str]) -> None:
-        """Creates from a new build start from warm VMs, as from `base` (the node sets the pools
-        of the templates it has at start; a build's would otherwise wait for a restart); the
-        builds it replaced keep none."""
-        pool = self.engine.pool
-        for old in replaced:
-            await pool.drain(old)
-        await pool.set_target(snapshot_id, self.warm)
 
     # -- status and tags -------------------------------------------------------------------
 

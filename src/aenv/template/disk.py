@@ -17,11 +17,14 @@ import subprocess
 from pathlib import Path
 
 from aenv.guest.cache import cached_build, file_digest, inputs_key
-from aenv.guest.rootfs import ROOT_LABEL
 from aenv.template import unpack as unpack_module
 from aenv.template.image import Image
 from aenv.template.unpack import DEFAULT_MAX_BYTES, unpack
 
+# The label the initramfs mounts the root by: `aenv.guest.rootfs.ROOT_LABEL`, whose module cannot be
+# imported here (it builds the base image with `tree_to_qcow2`, and its bytes key that image's
+# cache, so it stays as it is); tests/template/test_disk.py checks the two agree.
+ROOT_LABEL = "aenv-root"
 PRODUCT = "base.qcow2"
 CACHE_KIND = "images"
 MIN_DISK_MIB = 4096  # as the base template: room for build steps and a sandbox's own writes

@@ -2,7 +2,7 @@
 
 Guest RAM never travels through the migration stream: templates boot with RAM in a shared file
 (the memory image) and clones map that image, so every stream is written and read with
-`x-ignore-shared` and carries only headers and device sections (see `aenv.snapshot.devstate`).
+`x-ignore-shared` and carries only headers and device sections (see `aenv.vmm.devstate`).
 Changed pages are captured separately from `/proc` (`aenv.snapshot.memory`). Each function
 here is one step the snapshot engine and the benchmark floors compose:
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from ..agent.envd.state import same_secret
 from ..clock import rfc3339
 from ..orchestrator.errors import Conflict, Forbidden, InvalidRequest, NotFound, OperationFailed
-from ..orchestrator.service import new_sandbox_id
+from ..orchestrator.ids import new_sandbox_id
 from .tree import remove_tree
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"

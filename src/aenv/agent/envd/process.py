@@ -1,4 +1,8 @@
-"""`process.Process` service: spawning commands as users, PTYs, output fan-out, input and signals."""
+"""`process.Process` service: spawning commands as users, PTYs, output fan-out, input and signals.
+
+It stays one module over 600 lines: every call of the service works on the one table of running
+processes it keeps, and the guest loads it whole at boot either way.
+"""
 
 from __future__ import annotations
 

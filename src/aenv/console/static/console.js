@@ -25,7 +25,8 @@ async function api(method, path, body) {
   const response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   if (response.status === 401) { logout(); throw new Error("invalid API key"); }
   if (!response.ok) throw new Error((await response.json().catch(() => ({}))).message || `HTTP ${response.status}`);
-  return response.status === 204 ? null : response.json();
+  const text = await response.text(); // some answers have no body (204, and a build's start: 202)
+  return text ? JSON.parse(text) : null;
 }
 
 async function act(what, fn) {
@@ -44,6 +45,12 @@ function table(columns, rows) {
 // -- sandboxes ------------------------------------------------------------------------------------
 
 const filters = { state: "", template: "", metadata: "" };
+let nodeIds = []; // from /nodes
+
+// A gateway's list names each sandbox's node in `clientID`; a node's list has E2B's constant there.
+function nodeName(s) {
+  return nodeIds.length === 1 && !nodeIds.includes(s.clientID) ? nodeIds[0] : s.clientID;
+}
 
 function sandboxActions(s, tag = "td") {
   const id = s.sandboxID;
@@ -55,6 +62,7 @@ function sandboxActions(s, tag = "td") {
     h("button", { onclick: () => { const count = Number(prompt("Fork how many?", "1"));
       if (count) act("fork", () => api("POST", `${path}/fork`, { count })); } }, "Fork"),
     h("button", { onclick: () => act("snapshot", () => api("POST", `${path}/snapshots`, {})) }, "Snapshot"),
+    running ? h("button", { onclick: () => act("checkpoint", () => api("POST", `${path}/checkpoints`, {})) }, "Checkpoint") : "",
     h("button", { onclick: () => { const timeout = Number(prompt("Seconds from now until the timeout", "300"));
       if (timeout) act("set timeout", () => api("POST", `${path}/timeout`, { timeout })); } }, "Timeout"),
     h("button", { onclick: () => confirm(`Kill ${id}?`) && act("kill", () => api("DELETE", path)) }, "Kill"));
@@ -80,11 +88,11 @@ function sandboxesView() {
       h("td", {}, h("a", { onclick: () => show(sandboxView, s.sandboxID) }, s.sandboxID)),
       h("td", {}, s.alias || s.templateID),
       h("td", { class: `state-${s.state}` }, s.state),
-      h("td", {}, s.clientID),
+      h("td", { class: "node" }, nodeName(s)),
       h("td", {}, ago(s.startedAt)),
       h("td", {}, s.state === "running" ? `${Math.max(0, Math.round((Date.parse(s.endAt) - Date.now()) / 1000))} s` : "–"),
       h("td", {}, `${s.cpuCount} / ${s.memoryMB}`),
-      h("td", {}, Object.entries(s.metadata || {}).map(([k, v]) => `${k}=${v}`).join(" ")),
+      h("td", { class: "wrap" }, Object.entries(s.metadata || {}).map(([k, v]) => `${k}=${v}`).join(" ")),
       sandboxActions(s))));
   };
 }
@@ -189,17 +197,19 @@ function filesSection(id, token) {
 
 function sandboxView(id) {
   const head = h("div", { class: "head" }), metrics = h("div"), log = h("pre", { class: "log" });
-  const termEl = h("div", { id: "terminal" }), termStatus = h("span", { class: "legend" });
+  const termEl = h("div", { id: "terminal" }), termStatus = h("span", { class: "legend" }), checkpoints = h("tbody");
   let logStart = 0, closeTerminal = null, files = null;
   main.replaceChildren(head, h("div", { class: "grid" },
     h("section", {}, h("h2", {}, "Terminal ", termStatus), termEl),
     h("section", {}, h("h2", {}, "CPU and memory"), metrics),
-    h("section", {}, h("h2", {}, "Serial log"), log)));
+    h("section", {}, h("h2", {}, "Serial log"), log),
+    h("section", { class: "checkpoints" }, h("h2", {}, "Checkpoints"),
+      table(["Checkpoint", "Name", "Parent", "Taken", ""], checkpoints))));
   const render = async () => {
     const s = await api("GET", `/sandboxes/${id}`);
     head.replaceChildren(h("a", { onclick: () => show(sandboxesView) }, "← sandboxes"),
       h("strong", {}, id), h("span", { class: `state-${s.state}` }, s.state), h("span", {}, s.alias || s.templateID),
-      h("span", {}, `node ${s.clientID}`),
+      h("span", {}, `node ${nodeName(s)}`),
       sandboxActions(s, "span"));
     if (!closeTerminal && s.state === "running") closeTerminal = openTerminal(termEl, id, termStatus);
     if (!files && s.state === "running") {
@@ -209,6 +219,12 @@ function sandboxView(id) {
       open("/home/user");
     }
     metrics.replaceChildren(...chart(await api("GET", `/sandboxes/${id}/metrics`)));
+    // Each checkpoint's parent: the checkpoint its state came from, or the snapshot the sandbox started from.
+    checkpoints.replaceChildren(...(await api("GET", `/sandboxes/${id}/checkpoints`)).reverse().map((c) =>
+      h("tr", { "data-id": c.checkpointID }, h("td", {}, c.checkpointID), h("td", {}, c.name ?? ""),
+        h("td", {}, c.parent ?? ""), h("td", {}, `${ago(c.createdAt)} ago`), h("td", { class: "actions" },
+          h("button", { onclick: () => act("reset", () => api("POST", `/sandboxes/${id}/reset`, { checkpoint: c.checkpointID })) }, "Reset"),
+          h("button", { onclick: () => act("delete", () => api("DELETE", `/sandboxes/${id}/checkpoints/${c.checkpointID}`)) }, "Delete")))));
     const logs = await api("GET", `/sandboxes/${id}/logs?start=${logStart}&limit=1000`);
     if (logs.logs.length) {
       logStart += logs.logs.length;
@@ -219,7 +235,7 @@ function sandboxView(id) {
   return Object.assign(render, { stop: () => closeTerminal && closeTerminal() });
 }
 
-// -- nodes and templates --------------------------------------------------------------------------
+// -- nodes ----------------------------------------------------------------------------------------
 
 // A gateway's /nodes has capacity, use and cached templates; a node's own, its allocations.
 function nodeRow(n) {
@@ -235,19 +251,121 @@ function nodeRow(n) {
 function nodesView() {
   const body = h("tbody");
   main.replaceChildren(table(["Node", "Status", "Version", "Address", "Running", "Paused", "vCPU used", "MiB used", "Cached templates"], body));
-  return async () => body.replaceChildren(...(await api("GET", "/nodes")).map(nodeRow));
+  return async () => {
+    const nodes = await api("GET", "/nodes");
+    nodeIds = nodes.map((n) => n.id);
+    body.replaceChildren(...nodes.map(nodeRow));
+  };
+}
+
+// -- templates and builds -------------------------------------------------------------------------
+
+// Builds started from this page, with their logs as far as read (their ids are kept for the tab).
+const builds = JSON.parse(sessionStorage.getItem("aenv-builds") || "[]").map((b) => ({ ...b, status: "", lines: [] }));
+const FINISHED = ["ready", "error"];
+
+async function startBuild(form) {
+  const steps = form.elements.steps.value.split("\n").map((line) => line.trim()).filter(Boolean)
+    .map((command) => ({ type: "RUN", args: [command] }));
+  const ticket = await api("POST", "/v3/templates", { name: form.elements.template.value.trim() });
+  await api("POST", `/v2/templates/${ticket.templateID}/builds/${ticket.buildID}`,
+    { fromTemplate: form.elements.from.value.trim(), steps });
+  builds.unshift({ templateID: ticket.templateID, buildID: ticket.buildID, status: "waiting", lines: [] });
+  sessionStorage.setItem("aenv-builds", JSON.stringify(builds.map(({ templateID, buildID }) => ({ templateID, buildID }))));
+}
+
+// The status API gives at most 100 log entries a call, from an offset: read on until it gives fewer.
+async function follow(build) {
+  for (;;) {
+    const path = `/templates/${build.templateID}/builds/${build.buildID}/status`;
+    const status = await api("GET", `${path}?logsOffset=${build.lines.length}&limit=100`);
+    build.status = status.status;
+    build.reason = status.reason?.message;
+    build.lines.push(...status.logEntries.map((e) => `${e.timestamp.slice(11, 19)} ${e.level} [${e.step}] ${e.message}`));
+    if (status.logEntries.length < 100) return;
+  }
+}
+
+function buildSection(build) {
+  const log = h("pre", { class: "log" }, build.lines.join("\n"));
+  const section = h("section", { class: "build", "data-build": build.buildID },
+    h("h2", {}, `Build of ${build.templateID} `, h("span", { class: `status status-${build.status}` }, build.status),
+      h("span", { class: "legend" }, ` ${build.buildID}`)),
+    build.reason ? h("p", { class: "error" }, build.reason) : "", log);
+  requestAnimationFrame(() => { log.scrollTop = log.scrollHeight; });
+  return section;
+}
+
+// A template's name: a built one's ID is its current build's snapshot, its tags are the name's.
+const templateName = (t) => t.aliases?.[0] ?? t.templateID;
+
+function tagCell(t, tags) {
+  if (!tags) return h("td", { class: "tags" }, "–");
+  const name = templateName(t);
+  return h("td", { class: "tags" }, tags.map((tag) => h("span", { class: "tag", title: tag.buildID }, `${tag.tag} `,
+    h("a", { title: "remove the tag", onclick: () => act("untag",
+      () => api("DELETE", "/templates/tags", { name, tags: [tag.tag] })) }, "×"))),
+  tags.length ? h("button", { onclick: () => { const tag = prompt(`New tag for ${name}:${tags[0].tag}`);
+    if (tag) act("tag", () => api("POST", "/templates/tags", { target: `${name}:${tags[0].tag}`, tags: [tag] })); } }, "+") : "");
 }
 
 function templatesView() {
-  const body = h("tbody");
-  main.replaceChildren(table(["Template", "Names", "Status", "vCPU / MiB", "Created", ""], body));
+  const body = h("tbody"), running = h("div", { class: "builds" });
+  const form = h("form", { class: "filters", onsubmit: (event) => { event.preventDefault();
+      act("build", () => startBuild(event.target)); } },
+    h("input", { name: "template", placeholder: "new template name[:tag]", required: "" }),
+    h("input", { name: "from", value: "base", title: "the template it starts from" }),
+    h("textarea", { name: "steps", rows: "1", cols: "60", placeholder: "commands to run, one a line" }),
+    h("button", {}, "Build"));
+  main.replaceChildren(form, running,
+    table(["Template", "Names", "Status", "Tags", "vCPU / MiB", "Created", ""], body));
   return async () => {
+    await Promise.all(builds.filter((b) => !FINISHED.includes(b.status)).map(follow));
+    running.replaceChildren(...builds.map(buildSection));
     const templates = await api("GET", "/templates");
-    body.replaceChildren(...templates.map((t) => h("tr", {},
+    // Tags exist for the templates built here (others answer 404).
+    const tags = await Promise.all(templates.map((t) => api("GET", `/templates/${templateName(t)}/tags`).catch(() => null)));
+    body.replaceChildren(...templates.map((t, i) => h("tr", { "data-id": t.templateID },
       h("td", {}, t.templateID), h("td", {}, (t.names || []).join(", ")), h("td", {}, t.buildStatus),
-      h("td", {}, `${t.cpuCount} / ${t.memoryMB}`), h("td", {}, `${ago(t.createdAt)} ago`),
-      h("td", { class: "actions" }, h("button", { onclick: () => confirm(`Delete template ${t.templateID}?`)
+      tagCell(t, tags[i]), h("td", {}, `${t.cpuCount} / ${t.memoryMB}`), h("td", {}, `${ago(t.createdAt)} ago`),
+      h("td", { class: "actions" }, h("button", { onclick: () => confirm(`Delete template ${templateName(t)}?`)
         && act("delete", () => api("DELETE", `/templates/${t.templateID}`)) }, "Delete")))));
+  };
+}
+
+// -- snapshots and their lineage ------------------------------------------------------------------
+
+// A tree: each snapshot under the snapshot its sandbox started from, or under the template (or a
+// snapshot no longer listed) at the root.
+function lineage(snapshots, templates) {
+  const named = new Map(templates.map((t) => [t.templateID, (t.aliases || []).join(", ")]));
+  const listed = new Set(snapshots.map((s) => s.snapshotID));
+  const children = new Map();
+  for (const s of [...snapshots].reverse()) { // oldest first
+    const parent = s.source?.snapshotID ?? "";
+    children.set(parent, [...(children.get(parent) ?? []), s]);
+  }
+  const branch = (s) => h("li", { "data-id": s.snapshotID },
+    h("strong", {}, s.snapshotID), (s.names || []).filter((n) => n !== s.snapshotID).map((n) => ` ${n}`),
+    h("span", { class: "legend" }, ` of sandbox ${s.source?.sandboxID ?? "?"}`,
+      s.source?.checkpointID ? `, checkpoint ${s.source.checkpointID}` : "",
+      `, ${ago(s.createdAt)} ago, ${s.cpuCount} vCPU / ${s.memoryMB} MiB`, s.durable ? "" : ", being committed"), " ",
+    h("button", { onclick: () => confirm(`Delete snapshot ${s.snapshotID}?`)
+      && act("delete", () => api("DELETE", `/templates/${s.snapshotID}`)) }, "Delete"),
+    h("ul", {}, (children.get(s.snapshotID) ?? []).map(branch)));
+  const roots = [...children.keys()].filter((parent) => !listed.has(parent));
+  return h("ul", { class: "lineage" }, roots.map((root) => h("li", { class: "root" },
+    h("strong", {}, root || "unknown origin"),
+    h("span", { class: "legend" }, named.has(root) ? ` template ${named.get(root)}` : " (a snapshot not listed)"),
+    h("ul", {}, children.get(root).map(branch)))));
+}
+
+function snapshotsView() {
+  const tree = h("div");
+  main.replaceChildren(h("section", {}, h("h2", {}, "Snapshots, each under what its sandbox started from"), tree));
+  return async () => {
+    const [snapshots, templates] = await Promise.all([api("GET", "/snapshots?limit=100"), api("GET", "/templates")]);
+    tree.replaceChildren(lineage(snapshots, templates));
   };
 }
 
@@ -277,13 +395,14 @@ function logout() {
   document.getElementById("login").hidden = false;
 }
 
-function start() {
+async function start() {
   document.getElementById("login").hidden = true;
+  nodeIds = (await api("GET", "/nodes").catch(() => [])).map((n) => n.id);
   document.getElementById("app").hidden = false;
   show(sandboxesView);
 }
 
-const views = { sandboxes: sandboxesView, nodes: nodesView, templates: templatesView };
+const views = { sandboxes: sandboxesView, nodes: nodesView, templates: templatesView, snapshots: snapshotsView };
 document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => show(views[b.dataset.view])));
 document.getElementById("logout").addEventListener("click", logout);
 document.getElementById("login").addEventListener("submit", async (event) => {

@@ -1,6 +1,6 @@
 """The node's runtime cache: repository blobs materialized as local files, within a capacity.
 
-The third storage tier (see `aenv.storage.protocols`): files QEMU maps and opens, fetched from
+The third storage tier (see `aenv.runtime.contract`): files QEMU maps and opens, fetched from
 a remote repository on first use. Every entry records the snapshots it was fetched for
 (`owners`); an entry is pinned while this node holds a lease on one of them (a sandbox, warm
 VM or paused sandbox uses the snapshot), and for a short while after each use (so a file handed
@@ -9,7 +9,7 @@ recently used first when the cache is over capacity; when everything left is pin
 stays over capacity rather than fail a start, and says so in its stats.
 
 Usage is the space entries take on disk (sparse memory images count what they hold, not their
-size). An entry may be partial: a memory image loaded on demand (`aenv.storage.lazyfs`) is a
+size). An entry may be partial: a memory image loaded on demand (`aenv.runtime.lazyfs`) is a
 sparse file that another process fills chunk by chunk while VMs read it; it is pinned, counted
 (by what it holds so far, growth counted as fetched) and evicted like any other, and
 `on_evict` tells its owner so the file is no longer served. The index (owners, use order,
@@ -129,7 +129,7 @@ class BlobCache:
     def whole(self, key: str) -> Path | None:
         """The file of a complete entry (a partial one holds only what was read: None), for
         reading in place without counting a use: what a node serves its peers
-        (`aenv.storage.peers`). An entry evicted meanwhile leaves an open file readable."""
+        (`aenv.runtime.peers`). An entry evicted meanwhile leaves an open file readable."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.lazy or not self.path(key).exists():

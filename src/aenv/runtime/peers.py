@@ -16,8 +16,9 @@ Decisions, and why:
   never a partial on-demand copy, and it never fetches on a peer's behalf, so a request is one
   hop (no loops, no amplification) and a node that lacks the blob answers 404 at once.
 - Peers: in a cluster, the nodes the scheduler lists that are not down (draining nodes still
-  hold their blobs), asked at most every `PEERS_TTL` seconds; otherwise `AENV_P2P_PEERS`. The
-  node itself is left out (by id and by address).
+  hold their blobs), asked at most every few seconds (`aenv.cluster.peers`, given to
+  `open_storage` by the node); otherwise `AENV_P2P_PEERS`. The node itself is left out (by id
+  and by address).
 - Plain HTTP on the API port, not a second listener or transport (the reference system uses
   iroh): nodes already reach each other there, and the route is guarded as every other one: by
   the cluster secret in a cluster (a node there takes no call without it, `aenv.cluster.auth`),
@@ -25,7 +26,7 @@ Decisions, and why:
   peer that refuses (401) is skipped like any other failing one.
 - Whole blobs, and the prefetch of on-demand loading (the chunks a restore reads, fetched by the
   node before QEMU starts: `PeerSource.ranges`, each chunk checked against the blob's chunk
-  index). What the FUSE server fetches later, as the guest touches it (`aenv.storage.lazyfs`,
+  index). What the FUSE server fetches later, as the guest touches it (`aenv.runtime.lazyfs`,
   its own process), still comes from the store.
 """
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,25 +42,21 @@ from typing import Protocol
 import httpx
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
-from pydantic import TypeAdapter, ValidationError
 
 from .. import __version__
-from ..cluster.auth import CLUSTER_SECRET_HEADER
-from ..cluster.model import NodeInfo, NodeState
-from ..snapshot.manifest import DIGEST_RE
-from ..snapshot.repository import CHUNK, RepositoryError, check_digest, write_fetched
+from ..headers import CLUSTER_SECRET_HEADER
+from ..repository.chunks import ChunkIndex, Fetch
+from ..repository.errors import RepositoryError
+from ..repository.files import CHUNK, write_fetched
+from ..repository.names import DIGEST_RE, check_digest
 from .cache import BlobCache
-from .chunks import ChunkIndex, Fetch
 
 log = logging.getLogger(__name__)
 
 BLOB_PATH = "/p2p/blobs/{hex}"
-PEERS_TTL = 5.0  # seconds a scheduler's node list is used before it is asked again
 # A peer answers from its local disk: one that cannot connect in a second, or stalls for ten
 # seconds between reads, is skipped for the next source.
 PEER_TIMEOUT = httpx.Timeout(10.0, connect=1.0)
-SCHEDULER_TIMEOUT = httpx.Timeout(3.0)
-_NODES = TypeAdapter(list[NodeInfo])
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -75,7 +71,7 @@ class BlobSource(Protocol):
     def fetch_blob(self, digest: str, dest: Path) -> None: ...
 
 
-def _headers(secret: str | None, api_key: str | None = None) -> dict[str, str]:
+def peer_headers(secret: str | None, api_key: str | None = None) -> dict[str, str]:
     """What a node presents to another: the cluster secret in a cluster, else the API key."""
     headers = {"User-Agent": f"aenv/{__version__}"}
     if secret:
@@ -96,41 +92,6 @@ class StaticPeers:
         return [url for url in self.peers if url != self.own]
 
 
-class SchedulerPeers:
-    """The cluster's other live nodes, as the scheduler lists them, cached for `ttl` seconds.
-
-    A scheduler that cannot be reached means no peers for now (the store still answers).
-    """
-
-    def __init__(self, scheduler_url: str, node_id: str, secret: str | None, ttl: float = PEERS_TTL):
-        # The first of several schedulers (AENV_SCHEDULER_URL may list them): any one lists the nodes.
-        self.url = scheduler_url.split(",")[0].strip().rstrip("/") + "/nodes"
-        self.node_id = node_id
-        self.headers = _headers(secret)
-        self.ttl = ttl
-        self._lock = threading.Lock()
-        self._urls: list[str] = []
-        self._at = float("-inf")
-
-    def urls(self) -> list[str]:
-        with self._lock:
-            if time.monotonic() - self._at >= self.ttl:
-                self._urls, self._at = self._ask(), time.monotonic()
-            return list(self._urls)
-
-    def _ask(self) -> list[str]:
-        try:
-            response = httpx.get(self.url, headers=self.headers, timeout=SCHEDULER_TIMEOUT)
-            response.raise_for_status()
-            nodes = _NODES.validate_json(response.content)
-        except (httpx.HTTPError, ValidationError) as exc:
-            log.warning("no peers for now: the scheduler's node list failed: %s", exc)
-            return []
-        return [
-            n.address.rstrip("/") for n in nodes if n.node_id != self.node_id and n.status != NodeState.DOWN
-        ]
-
-
 class PeerSource:
     """Blobs from peers first, then from the repository (`BlobSource`), each verified.
 
@@ -142,7 +103,7 @@ class PeerSource:
     ):
         self.store = store
         self.peers = peers
-        self._client = httpx.Client(headers=_headers(secret, api_key), timeout=PEER_TIMEOUT)
+        self._client = httpx.Client(headers=peer_headers(secret, api_key), timeout=PEER_TIMEOUT)
         self._lock = threading.Lock()
         self.blobs = {"peer": 0, "store": 0}
         self.bytes = {"peer": 0, "store": 0}

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any, Literal
 
 from ..clock import rfc3339
+from .names import DIGEST_RE, LAYER_ID_RE, SNAPSHOT_ID_RE
 
 FORMAT_VERSION = 1
-
-DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
-SNAPSHOT_ID_RE = re.compile(r"[a-z0-9]{1,64}")
-LAYER_ID_RE = re.compile(r"[a-z0-9]{1,128}")
 
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 _TIME_CHARS = 9  # 36**9 ms reaches the year 5138, so ids sort by creation time as plain strings

@@ -3,9 +3,9 @@
 `LocalRuntime` serves a repository on this host's filesystem: its blobs are immutable files
 already, so QEMU maps the memory image and opens boot files straight from the repository (one
 page-cache copy per node, no download), and disk layers are the node's qcow2 layer store
-(`aenv.storage.layers`), recorded in manifests by layer id.
+(`aenv.runtime.layers`), recorded in manifests by layer id.
 
-`CachedRuntime` serves a remote repository (`aenv.storage.s3`) through the node's bounded
+`CachedRuntime` serves a remote repository (`aenv.repository.s3`) through the node's bounded
 `BlobCache`: blobs are downloaded (verified) on first use, and disk layers travel as blobs. A
 manifest then names its disk chain by digests, bottom first; the qcow2 header of each layer
 still records the path its backing file had on the node that sealed it, so each layer is
@@ -13,7 +13,7 @@ materialized as its own cache entry, keyed by its whole chain below, and pointed
 materialized layer under it with ``qemu-img rebase -u`` (a header-only change). A snapshot taken
 on one node thus starts on any node sharing the repository.
 
-With a `LazyMount` (`aenv.storage.lazyfs`), what QEMU reads of a snapshot as stored (its memory
+With a `LazyMount` (`aenv.runtime.lazyfs`), what QEMU reads of a snapshot as stored (its memory
 image, kernel, initramfs and tools image, and the bottom layer of its disk chain, which names no
 backing file) is not downloaded before the start when it has a chunk index in the repository
 and is not in the cache: it becomes a partial cache entry that QEMU opens through the node's
@@ -24,7 +24,7 @@ bounded number of round trips. Deltas, device state and the upper disk layers (s
 rewritten or read whole) are fetched whole. Once a blob is partial on a node it stays served
 through the mount until it is evicted, so every sandbox from it maps the same file (one
 page-cache copy) and finds its mapping by that path. If the server is gone, blobs are fetched
-whole instead. With peer-to-peer transport on (`aenv.storage.peers`), blobs fetched whole are
+whole instead. With peer-to-peer transport on (`aenv.runtime.peers`), blobs fetched whole are
 asked of the node's peers first, and so are the chunks prefetched before an on-demand start.
 
 Both make one file per snapshot here: its restorable stream, spliced once from its vmstate
@@ -44,14 +44,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..snapshot import devstate
-from ..snapshot.manifest import DIGEST_RE, MachineShape, SnapshotManifest
-from ..snapshot.repository import SnapshotRepository
+from ..repository.chunks import ChunkFile, ChunkIndex, Fetch, held_chunks
+from ..repository.contract import Repository
+from ..repository.manifest import MachineShape, SnapshotManifest
+from ..repository.names import DIGEST_RE
+from ..repository.posix import SnapshotRepository
+from ..vmm import devstate
 from ..vmm.launcher import BootFiles
 from .cache import BlobCache, CacheStats
-from .chunks import ChunkFile, ChunkIndex, Fetch, held_chunks
 from .layers import LayerError, LayerStore
-from .protocols import Repository
 
 if TYPE_CHECKING:
     from .lazyfs import LazyMount
@@ -148,7 +149,7 @@ class CachedRuntime(LocalRuntime):
     ) -> None:  # fmt: skip
         super().__init__(repository, layers, runtime_dir)  # type: ignore[arg-type]
         self._remote = repository
-        # Where blobs come from: the repository, or peers first (aenv.storage.peers).
+        # Where blobs come from: the repository, or peers first (aenv.runtime.peers).
         self._peers = peers
         self._source: BlobSource = peers if peers is not None else repository
         self.cache = cache

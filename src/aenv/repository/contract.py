@@ -1,26 +1,56 @@
-"""The two storage seams: the durable repository and the node's runtime resolver.
+"""The repository contract: what the engine asks of committed snapshots, and what it reports.
 
 Snapshots live in three tiers (AgentENV's split, issue 11): the builder's staging area
 (captures in progress, read by nobody else), the committed repository (the durable truth, which
 may be shared by several nodes) and the node's runtime files (what QEMU maps and opens). The
-engine talks to the second through `Repository` and to the third through `RuntimeResolver`, and
-never builds a path into either itself: a remote repository or a bounded node cache only adds an
-implementation of these protocols. Today's implementations are the POSIX directory
-(`aenv.snapshot.repository.SnapshotRepository`) and the in-place resolver
-(`aenv.storage.runtime.LocalRuntime`).
+engine talks to the second through `Repository` and never builds a path into it itself: the
+backends (`aenv.repository.posix`, a directory; `aenv.repository.s3`, an object store) are
+implementations of this protocol, and a new one only adds another. The third tier's contract
+is `aenv.runtime.contract.RuntimeResolver`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ..snapshot.manifest import MachineShape, SnapshotManifest
-    from ..snapshot.repository import GcReport, PendingMark
-    from ..vmm.launcher import BootFiles
-    from .cache import CacheStats
+from .manifest import SnapshotManifest
+
+DEFAULT_LEASE_TTL = 600.0  # seconds a node may go without a heartbeat before its leases expire
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What one garbage collection pass removed."""
+
+    removed_blobs: tuple[str, ...] = ()
+    freed_bytes: int = 0
+    removed_aliases: tuple[str, ...] = ()
+    removed_staging: int = 0
+
+
+@dataclass(frozen=True)
+class PendingMark:
+    """A snapshot a node answered and commits in the background (`aenv.snapshot.pending`), as
+    the other nodes sharing the repository see it until the commit ends."""
+
+    snapshot_id: str
+    node: str  # the node committing it
+    failure: str | None  # why its commit failed (the mark then stays until it is stale)
+    stale: bool  # its node is gone, or it is older than the grace period: no commit will come
+
+    def to_json(self) -> bytes:
+        return json.dumps({"id": self.snapshot_id, "node": self.node, "failure": self.failure}).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, *, age: float, node_live: Callable[[str], bool], grace: float) -> PendingMark:
+        fields = json.loads(data)
+        node = str(fields["node"])
+        stale = age > grace or not node_live(node)
+        return cls(str(fields["id"]), node, fields.get("failure"), stale)
 
 
 class Repository(Protocol):
@@ -31,6 +61,23 @@ class Repository(Protocol):
     snapshot: deleting it is deferred until the last lease is released, and the holder can
     still read its manifest meanwhile.
     """
+
+    node: str  # this node's id, as its leases, claims and pending marks name it
+    grace_seconds: float
+
+    @property
+    def shared(self) -> bool:
+        """Whether other nodes use this repository and its blobs are copies, never this node's
+        files (s3): pauses are then committed to it for them (`aenv.snapshot.handover`), and
+        this node keeps only what it holds leases on."""
+        ...
+
+    @property
+    def local_root(self) -> Path:
+        """The local directory this node's VMs read and write the repository's files in: a posix
+        repository's root (its blobs are used in place), an s3 one's staging (captures before
+        their upload)."""
+        ...
 
     # -- blobs (immutable, named by the sha256 of their bytes)
     def put_blob(
@@ -95,56 +142,3 @@ class Repository(Protocol):
 
     def claimant(self, snapshot_id: str) -> str | None: ...
     def unclaim(self, snapshot_id: str) -> None: ...
-
-
-class RuntimeResolver(Protocol):
-    """A committed snapshot's parts as local files a QEMU process can map and open.
-
-    Callers hold a repository lease on the snapshot for as long as they use the files; that
-    lease is what keeps a bounded cache from evicting them. Every path returned is read-only
-    for the caller: the memory image in particular is mapped copy-on-write by every clone.
-    """
-
-    def memory_image(self, manifest: SnapshotManifest) -> Path: ...
-    def memory_deltas(self, manifest: SnapshotManifest) -> list[Path]: ...
-    def template_stream(self, manifest: SnapshotManifest) -> Path:
-        """The snapshot's own restorable stream: its vmstate prefix and its device state."""
-        ...
-
-    def vmstate_prefix(self, manifest: SnapshotManifest) -> bytes:
-        """The stream prefix later device states of a sandbox from this snapshot are spliced onto."""
-        ...
-
-    def boot_files(self, machine: MachineShape) -> BootFiles: ...
-    def layer_path(self, layer_id: str) -> Path: ...
-    def prepare(self, manifest: SnapshotManifest) -> None:
-        """Make every file of the snapshot local now (blocking: call it in a worker thread)."""
-        ...
-
-    def restored(self, manifest: SnapshotManifest) -> None:
-        """A guest restored from the snapshot answers (its envd took `/init`): what it read of the
-        memory image until now is what a restore reads (the prefetch list of on-demand loading)."""
-        ...
-
-    def top_layer(self, manifest: SnapshotManifest) -> Path:
-        """The snapshot's topmost sealed disk layer, its backing chain in place: new layers go on it."""
-        ...
-
-    def keep_local(self, path: Path, digest: str) -> None:
-        """`path` (immutable, about to be stored as blob `digest`) may serve reads of that blob."""
-        ...
-
-    def publish_layers(self, layers: list[str]) -> tuple[str, ...]:
-        """What a manifest records for this disk chain (node layer ids, or repository digests).
-
-        Blocking: a remote repository uploads the sealed layers it does not hold yet.
-        """
-        ...
-
-    def cache_stats(self) -> CacheStats | None:
-        """The node's runtime cache, if files are cached (None: used in place)."""
-        ...
-
-    def prune(self, is_live: Callable[[str], bool]) -> int:
-        """Remove the runtime files of snapshots that are no longer live; returns how many."""
-        ...

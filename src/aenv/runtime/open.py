@@ -4,9 +4,11 @@
 usable on a shared filesystem too) or `s3://BUCKET/PREFIX` (any S3-compatible store, reached at
 `AENV_S3_ENDPOINT` in `AENV_S3_REGION`). An s3 repository is read through a runtime cache in
 `<home>/cache` of `AENV_CACHE_CAPACITY_MIB`, its memory images loaded on demand through the
-node's FUSE server (`aenv.storage.lazyfs`) unless `AENV_LAZY_LOADING=false` or the host has no
+node's FUSE server (`aenv.runtime.lazyfs`) unless `AENV_LAZY_LOADING=false` or the host has no
 FUSE; a posix one is used in place. With `AENV_P2P=true` an s3 node's cache asks its peers
-for blobs before the store (`aenv.storage.peers`).
+for blobs before the store (`aenv.runtime.peers`). This is the one place that tells the
+backends apart by the repository's URL; everything after asks the repository
+(`Repository.shared`, `Repository.local_root`).
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ from typing import TYPE_CHECKING
 
 from ..config import Settings
 from ..paths import layers_dir, repository_dir
-from ..snapshot.repository import SnapshotRepository
+from ..repository.contract import Repository
+from ..repository.location import S3Location, is_s3_url
+from ..repository.posix import SnapshotRepository
 from .cache import BlobCache
+from .contract import RuntimeResolver
 from .layers import LayerStore
-from .protocols import Repository, RuntimeResolver
-from .runtime import CachedRuntime
+from .resolvers import CachedRuntime
 
 if TYPE_CHECKING:
     from .lazyfs import LazyMount
     from .peers import Peers, PeerSource
-    from .s3 import S3Location
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class Storage:
     heartbeat: Heartbeat
     cache: BlobCache | None = None
     lazy: LazyMount | None = None  # ends with the node process, or with `LazyMount.stop`
-    peers: PeerSource | None = None  # blobs from peers first (`aenv.storage.peers`), if P2P is on
+    peers: PeerSource | None = None  # blobs from peers first (`aenv.runtime.peers`), if P2P is on
 
     def close(self) -> None:
         """Stop the heartbeat and the on-demand loading server (else it ends with this process):
@@ -83,18 +86,16 @@ class Storage:
         if self.lazy is not None:
             self.lazy.stop()
 
-    @property
-    def shared(self) -> bool:
-        """Whether other nodes may use the repository: an s3 one (its blobs are copies, never
-        this node's files), so pauses are committed to it for them (`aenv.snapshot.handover`)."""
-        return self.runtime is not None
 
+def open_storage(settings: Settings, node: str, peers: Peers | None = None) -> Storage:
+    """The repository named by the settings, its resolver and a started heartbeat.
 
-def open_storage(settings: Settings, node: str) -> Storage:
-    """The repository named by the settings, its resolver and a started heartbeat."""
+    `peers`: whom an s3 node with P2P on asks for blobs (in a cluster, the scheduler's nodes:
+    `aenv.cluster.peers`); by default the `p2p_peers` list.
+    """
     home = settings.home_path
-    if settings.repository.startswith("s3://"):
-        from .s3 import S3Location, S3Repository  # boto3 is only needed for this backend
+    if is_s3_url(settings.repository):
+        from ..repository.s3 import S3Repository  # boto3 is only needed for this backend
 
         location = S3Location.from_url(
             settings.repository, endpoint=settings.s3_endpoint or None, region=settings.s3_region,
@@ -105,29 +106,26 @@ def open_storage(settings: Settings, node: str) -> Storage:
         )
         cache = BlobCache(home / "cache", settings.cache_capacity_mib << 20, repository.local_leases)
         lazy = _lazy_mount(settings, cache, location)
-        peers = _peer_source(settings, repository, node) if settings.p2p else None
+        source = _peer_source(settings, repository, peers) if settings.p2p else None
         runtime: RuntimeResolver | None = CachedRuntime(
-            repository, LayerStore(layers_dir(home)), home / "runtime", cache, lazy, peers
+            repository, LayerStore(layers_dir(home)), home / "runtime", cache, lazy, source
         )
         log.info("repository %s at %s, runtime cache %d MiB", settings.repository, location.endpoint,
                  settings.cache_capacity_mib)  # fmt: skip
     else:
         root = Path(settings.repository) if settings.repository else repository_dir(home)
         repository = SnapshotRepository(root, node=node, lease_ttl=settings.lease_ttl)
-        runtime, cache, lazy, peers = None, None, None, None
+        runtime, cache, lazy, source = None, None, None, None
     heartbeat = Heartbeat(repository, settings.lease_ttl / 4)
     heartbeat.start()
-    return Storage(repository, runtime, heartbeat, cache, lazy, peers)
+    return Storage(repository, runtime, heartbeat, cache, lazy, source)
 
 
-def _peer_source(settings: Settings, repository: Repository, node: str) -> PeerSource:
-    """Blobs from peers first: the scheduler's nodes in a cluster, else the `p2p_peers` list."""
-    from .peers import PeerSource, SchedulerPeers, StaticPeers
+def _peer_source(settings: Settings, repository: Repository, peers: Peers | None) -> PeerSource:
+    """Blobs from peers first: the given ones (a cluster's), else the `p2p_peers` list."""
+    from .peers import PeerSource, StaticPeers
 
-    peers: Peers
-    if settings.scheduler_url:
-        peers = SchedulerPeers(settings.scheduler_url, node, settings.cluster_secret)
-    else:
+    if peers is None:
         own = (settings.node_addr or f"http://{settings.api_addr}").rstrip("/")
         peers = StaticPeers(tuple(settings.peer_urls), own)
     log.info("peer-to-peer blob transport on: peers from %s", settings.scheduler_url or settings.p2p_peers)

@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..snapshot.repository import RepositoryError, data_extents
+from .errors import RepositoryError
+from .files import data_extents
 
 CHUNK_SIZE = 256 << 10  # two FUSE reads; a restore touches scattered pages, so small chunks pay
 MAX_RUN = 32  # chunks in one ranged read (8 MiB)
@@ -101,7 +102,7 @@ class ChunkIndex:
 
     def verified(self, offset: int, data: bytes) -> bool:
         """Whether `data`, read at `offset`, is whole chunks that each match (so a range from an
-        untrusted source can be kept: `aenv.storage.peers`)."""
+        untrusted source can be kept: `aenv.runtime.peers`)."""
         if offset % self.chunk_size or not data or offset + len(data) > self.size:
             return False
         end = offset + len(data)

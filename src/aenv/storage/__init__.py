@@ -1,1 +1,0 @@
-"""Storage seams (the repository and runtime resolver protocols), local runtime files, disk layers."""
