@@ -1,7 +1,7 @@
 """Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
-                    [--seed HOME] [--memory-merge] [--rollout-counts N[,N]]
+                    [--seed HOME] [--memory-merge] [--rollout-counts N[,N]] [--divergence N]
 
 Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
 builds the `base` template, or takes the one of the node home given by --seed) unless AENV_URL
@@ -82,6 +82,9 @@ def main() -> int:
     parser.add_argument(
         "--rollout-counts", type=_counts, metavar="N[,N]", help="concurrent rollouts (default: the mode's)"
     )
+    parser.add_argument(
+        "--divergence", type=lambda v: _counts(v)[0], metavar="N", help="sandboxes of `divergence`"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -95,6 +98,7 @@ def main() -> int:
         memory_merge=args.memory_merge,
         scale_full=args.scale_full,
         rollout_counts=args.rollout_counts,
+        divergence=args.divergence,
     )
     try:
         return run(options)

@@ -14,6 +14,7 @@ used is the overcommit under divergence (`--memory-merge` measures it with KSM o
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from typing import Any
 
@@ -49,21 +50,25 @@ def private_mib(pid: int, memory_mib: int) -> float:
     return dirty_pages(pid, *guest_ram(pid, memory_mib)).size * PAGE_SIZE / 2**20
 
 
-async def _diverge(ctx: Context, sandbox: dict[str, Any], pid: int | None, memory_mib: int) -> float | None:
-    """Run the workload; seconds until 80 % of the guest RAM it made private is back (None: not local)."""
+async def _diverge(
+    ctx: Context, sandbox: dict[str, Any], pid: int | None, memory_mib: int
+) -> tuple[float, float | None]:
+    """Run the workload; its seconds, and the seconds until 80 % of the guest RAM it made private is
+    back (None: not local)."""
     before = private_mib(pid, memory_mib) if pid is not None else 0.0
+    started = time.monotonic()
     await ctx.client.run(sandbox, ALLOCATE)
     await ctx.client.run(sandbox, FILES)
-    if pid is None:
-        return None
     freed_at = time.monotonic()
+    if pid is None:
+        return freed_at - started, None
     peak = private_mib(pid, memory_mib)
     goal = peak - RETURNED_SHARE * (peak - before)
     while private_mib(pid, memory_mib) > goal:
         if time.monotonic() - freed_at > RETURN_TIMEOUT_S:
-            return RETURN_TIMEOUT_S
+            return freed_at - started, RETURN_TIMEOUT_S
         await asyncio.sleep(POLL_S)
-    return time.monotonic() - freed_at
+    return freed_at - started, time.monotonic() - freed_at
 
 
 async def divergence(ctx: Context) -> list[Row]:
@@ -94,7 +99,10 @@ async def divergence(ctx: Context) -> list[Row]:
         note += ", KSM off"
     if failed:
         note += f"; {len(failed)} workloads failed: {failed[-1]}"
-    times = [r for r in returns if isinstance(r, float)]
+    done = [r for r in returns if isinstance(r, tuple)]
+    times = [back for _, back in done if back is not None]
+    if done:
+        note += f"; workload median {statistics.median(took for took, _ in done):.1f} s"
     if fresh is None or diverged is None or not times:
         return [Row("divergence", summarize("divergence: sandboxes", [len(live)], unit="count"), note=note)]
     details = {"fresh_mib_per_sandbox": round(fresh, 1), "diverged_mib_per_sandbox": round(diverged, 1),

@@ -71,12 +71,15 @@ class Options:
     memory_merge: bool = False  # the harness's node merges equal pages, with KSM on for the run
     scale_full: bool = False  # cluster-scale at its full size
     rollout_counts: tuple[int, ...] | None = None  # instead of the mode's
+    divergence: int | None = None  # sandboxes of the divergence figure, instead of the mode's
 
     @property
     def plan(self) -> Plan:
         plan = replace(MODES[self.mode], scale_full=self.scale_full)
         if self.rollout_counts is not None:
             plan = replace(plan, rollout_counts=self.rollout_counts)
+        if self.divergence is not None:
+            plan = replace(plan, divergence=self.divergence)
         return plan if self.soak_cycles is None else replace(plan, soak=self.soak_cycles)
 
     @property

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -16,7 +17,7 @@ from aenv.orchestrator.admission import Admission
 from aenv.orchestrator.errors import Unavailable
 from aenv.orchestrator.reclaim import MemoryReclaimer
 from aenv.orchestrator.states import State
-from aenv.vmm.reclaim import Reclaimed
+from aenv.vmm.reclaim import Scan
 
 
 class FakeVM:
@@ -34,13 +35,18 @@ class FakeVM:
         return self.cpu
 
 
-async def fake_reclaim(vm: FakeVM) -> Reclaimed:
+async def fake_find(vm: FakeVM) -> Scan:
+    """Each page of what the guest freed is a candidate."""
+    return Scan(0, int(vm.private * 256), np.arange(int(vm.freed * 256), dtype=np.uint64))
+
+
+async def fake_release(vm: FakeVM, found: Scan) -> tuple[int, float]:
     FakeVM.reclaimed.append(vm.pid)
-    returned, vm.freed = vm.freed, 0.0
-    vm.private -= returned
+    vm.private -= found.candidates.size / 256
+    vm.freed = 0.0
     for hook in FakeVM.on_reclaim:
         hook()
-    return Reclaimed(vm.private + returned, returned, 0.01, 0.02)
+    return int(found.candidates.size), 0.01
 
 
 def sandbox(name: str, vm: FakeVM, state: State = State.RUNNING) -> SimpleNamespace:
@@ -54,7 +60,8 @@ def fake_vms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FakeVM, "every", {})
     monkeypatch.setattr(FakeVM, "reclaimed", [])
     monkeypatch.setattr(FakeVM, "on_reclaim", [])
-    monkeypatch.setattr(policy_module.reclaim, "reclaim", fake_reclaim)
+    monkeypatch.setattr(policy_module.reclaim, "find", fake_find)
+    monkeypatch.setattr(policy_module.reclaim, "release", fake_release)
     monkeypatch.setattr(policy_module, "private_mib", lambda pid: FakeVM.every[pid].private)
 
 
@@ -76,17 +83,18 @@ def test_only_sandboxes_whose_memory_grew_are_scanned() -> None:
     assert families["aenv_node_memory_returned_bytes"].samples[0].value == 200 * 2**20
 
 
-def test_under_pressure_the_idlest_go_first_until_the_host_has_enough() -> None:
+def test_under_pressure_the_idlest_that_grew_go_first_until_the_host_has_enough() -> None:
     busy, idle, idler = FakeVM(1, 300, 0, 100), FakeVM(2, 300, 0, 100), FakeVM(3, 300, 0, 100)
+    steady = FakeVM(4, 300, 0)  # the idlest, but not grown since it was last seen: nothing to give
     available = [4000]
     policy = MemoryReclaimer(
-        lambda: [sandbox("busy", busy), sandbox("idle", idle), sandbox("idler", idler)],
+        lambda: [sandbox("busy", busy), sandbox("idle", idle), sandbox("idler", idler), sandbox("s", steady)],
         interval=0, growth_mib=1 << 20, pressure_mib=1150, available_mib=lambda: available[0],
     )  # fmt: skip
     asyncio.run(policy.sweep())
     busy.cpu, idle.cpu, idler.cpu = 5.0, 1.0, 0.1
     for vm in (busy, idle, idler):
-        vm.freed = 100
+        vm.freed, vm.private = 100, 400
     available[0] = 1000
     FakeVM.on_reclaim.append(lambda: available.__setitem__(0, available[0] + 100))
     asyncio.run(policy.sweep())
@@ -106,6 +114,28 @@ def test_a_sandbox_whose_lock_is_held_is_left_for_the_next_pass() -> None:
 
     assert asyncio.run(locked()) == 0
     assert asyncio.run(policy.sweep()) == 100 * 2**20
+
+
+def test_a_pause_started_during_the_scan_finds_its_guest_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    vm = FakeVM(1, 50, 0, freed=100)
+    held = sandbox("a", vm)
+    policy = MemoryReclaimer(lambda: [held], interval=0, growth_mib=16, pressure_mib=0)
+
+    async def find_while_a_pause_starts(scanned: FakeVM) -> Scan:
+        found = await fake_find(scanned)
+        await held.lock.acquire()  # the scan holds no lock: a pause may take it meanwhile
+        return found
+
+    async def sweeps() -> int:
+        await policy.sweep()
+        vm.private += 100
+        monkeypatch.setattr(policy_module.reclaim, "find", find_while_a_pause_starts)
+        return await policy.sweep()
+
+    assert asyncio.run(sweeps()) == 0
+    assert FakeVM.reclaimed == []  # nothing stopped or dropped under the pause
 
 
 def admission(tmp_path: Path, held: int | None, committed: int, available: int) -> Admission:

@@ -6,8 +6,11 @@ private memory grew by `reclaim_growth_mib` since its last pass is scanned and t
 guest freed go back to the host (`aenv.vmm.reclaim`: a guest of 228 MiB private memory after
 allocating and freeing 200 MiB and deleting 100 MiB of files got 209 MiB back in 0.25 s, its
 vCPUs stopped 0.14 s of that). While the host has less than `reclaim_pressure_mib` available,
-every running sandbox is scanned, idlest (least CPU since the last pass) first, until it has
-that much again. Nothing is taken from a guest that it still uses, so there is nothing to
+every running sandbox whose private memory grew at all since its last scan is scanned, idlest
+(least CPU since the last pass) first, until it has that much again. The scan reads the guest's
+memory while it runs, without the sandbox's lock; only the drop takes the lock and stops the
+guest, so a pause or fork of the sandbox waits for no scan, and a sandbox in the middle of one
+is left for the next pass. Nothing is taken from a guest that it still uses, so there is nothing to
 deflate: a dropped page reads as before and is copied again only when the guest writes it.
 
 What the sandboxes hold (`held_mib`) is what admission measures new ones by.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
     from .sandboxes import Sandbox
 
 log = logging.getLogger(__name__)
+PRESSED_GROWTH_MIB = 1  # under host pressure: what a sandbox must have grown since its last scan
 
 
 def private_mib(pid: int) -> float:
@@ -110,24 +115,38 @@ class MemoryReclaimer:
         self.passes += 1
         returned = 0
         for sandbox, watch in self._running():
-            pressed = self.available_mib() < self.pressure_mib
+            # Under pressure any growth since the last scan will do; a sandbox that did not grow
+            # at all has nothing new to give, and scanning it again would only burn CPU.
+            growth = PRESSED_GROWTH_MIB if self.available_mib() < self.pressure_mib else self.growth_mib
             with contextlib.suppress(OSError):  # its QEMU ended meanwhile
-                if pressed or private_mib(watch.pid) - watch.baseline_mib >= self.growth_mib:
+                if private_mib(watch.pid) - watch.baseline_mib >= growth:
                     returned += await self._reclaim(sandbox, watch)
         return returned
 
     async def _reclaim(self, sandbox: Sandbox, watch: _Watch) -> int:
-        """Scan one sandbox under its lock, so no pause or fork finds its guest stopped or restarted."""
+        """Scan one sandbox's guest running, then drop under its lock with the guest stopped, so no
+        operation waits for the scan and no pause or fork finds its guest stopped or restarted."""
         if sandbox.lock.locked():
             return 0  # an operation is under way; the next pass looks again
-        async with sandbox.lock:
-            if sandbox.vm is None or sandbox.vm.vm.pid != watch.pid or sandbox.record.state != State.RUNNING:
+        vm = sandbox.vm.vm if sandbox.vm is not None else None
+        try:
+            if vm is None or vm.pid != watch.pid:
                 return 0
-            try:
-                result = await reclaim.reclaim(sandbox.vm.vm)
-            except (reclaim.ReclaimError, OSError, LookupError) as exc:
-                log.warning("reclaiming the memory of sandbox %s failed: %s", sandbox.id, exc)
-                return 0
+            started = time.monotonic()
+            found = await reclaim.find(vm)
+            if found.candidates.size:
+                if sandbox.lock.locked():
+                    return 0  # an operation started during the scan
+                async with sandbox.lock:
+                    if sandbox.vm is None or sandbox.vm.vm is not vm or sandbox.record.state != State.RUNNING:
+                        return 0
+                    result = reclaim.Reclaimed.of(found, *await reclaim.release(vm, found),
+                                                  time.monotonic() - started)  # fmt: skip
+            else:
+                result = reclaim.Reclaimed.of(found, 0, 0.0, time.monotonic() - started)
+        except (reclaim.ReclaimError, OSError, LookupError) as exc:
+            log.warning("reclaiming the memory of sandbox %s failed: %s", sandbox.id, exc)
+            return 0
         watch.baseline_mib = private_mib(watch.pid)
         returned = int(result.returned_mib * 2**20)
         watch.returned_bytes += returned

@@ -141,8 +141,10 @@ def equal_pages(pid: int, start: int, image: Path, indices: np.ndarray) -> np.nd
 
 @dataclass(frozen=True)
 class Scan:
-    """The private pages of a clone's RAM and those of them equal to the image (candidates)."""
+    """The private pages of a clone's RAM mapped at `start`, and those of them equal to the image
+    (candidates)."""
 
+    start: int
     private_pages: int
     candidates: np.ndarray
 
@@ -150,7 +152,7 @@ class Scan:
 def scan(pid: int, start: int, end: int, image: Path) -> Scan:
     """Find the droppable pages while the guest runs (they are checked again, stopped, in `settle`)."""
     private = dirty_pages(pid, start, end)
-    return Scan(int(private.size), equal_pages(pid, start, image, private))
+    return Scan(start, int(private.size), equal_pages(pid, start, image, private))
 
 
 def settle(pid: int, start: int, image: Path, candidates: np.ndarray) -> int:
@@ -174,30 +176,52 @@ class Reclaimed:
     stopped_seconds: float
     seconds: float
 
+    @classmethod
+    def of(cls, found: Scan, dropped: int, stopped: float, seconds: float) -> Reclaimed:
+        mib = PAGE_SIZE / 2**20
+        return cls(found.private_pages * mib, dropped * mib, stopped, seconds)
 
-async def reclaim(vm: VirtualMachine) -> Reclaimed:
-    """Return to the host the pages of `vm`'s RAM equal to its memory image (see the module).
+
+def _image(vm: VirtualMachine) -> Path:
+    image = vm.config.memory_path
+    if vm.config.memory_mode is not MemoryMode.PRIVATE_IMAGE or image is None:
+        raise ReclaimError(f"QEMU {vm.pid} does not map a memory image privately")
+    return image
+
+
+async def find(vm: VirtualMachine) -> Scan:
+    """The pages of `vm`'s RAM equal to its memory image now, found while the guest runs: it only
+    reads, so no lock is needed (most of a pass's time: 0.11 of its 0.25 s for 228 MiB)."""
+    image = _image(vm)
+    start, end = find_mapping(vm.pid, image)
+    return await asyncio.to_thread(scan, vm.pid, start, end, image)
+
+
+async def release(vm: VirtualMachine, found: Scan) -> tuple[int, float]:
+    """Stop the guest, drop those of `found`'s candidates still equal to the image, let it run
+    again; returns the pages dropped and the seconds it was stopped.
 
     The caller keeps the VM's other operations out (the sandbox's lock): a pause meanwhile would
     find its guest running again. A VM not running (stopped by a pause) is left stopped.
     """
-    started = time.monotonic()
-    image = vm.config.memory_path
-    if vm.config.memory_mode is not MemoryMode.PRIVATE_IMAGE or image is None:
-        raise ReclaimError(f"QEMU {vm.pid} does not map a memory image privately")
-    start, end = find_mapping(vm.pid, image)
-    found = await asyncio.to_thread(scan, vm.pid, start, end, image)
-    dropped, stopped = 0, 0.0
-    if found.candidates.size:
-        running = (await vm.command("query-status"))["running"]
+    if not found.candidates.size:
+        return 0, 0.0
+    running = (await vm.command("query-status"))["running"]
+    if running:
+        await vm.command("stop")
+    halted = time.monotonic()
+    try:
+        dropped = await asyncio.to_thread(settle, vm.pid, found.start, _image(vm), found.candidates)
+    finally:
         if running:
-            await vm.command("stop")
-        halted = time.monotonic()
-        try:
-            dropped = await asyncio.to_thread(settle, vm.pid, start, image, found.candidates)
-        finally:
-            if running:
-                await vm.command("cont")
-            stopped = time.monotonic() - halted
-    mib = PAGE_SIZE / 2**20
-    return Reclaimed(found.private_pages * mib, dropped * mib, stopped, time.monotonic() - started)
+            await vm.command("cont")
+    return dropped, time.monotonic() - halted
+
+
+async def reclaim(vm: VirtualMachine) -> Reclaimed:
+    """Return to the host the pages of `vm`'s RAM equal to its memory image (see the module and
+    `release` for what the caller must hold)."""
+    started = time.monotonic()
+    found = await find(vm)
+    dropped, stopped = await release(vm, found)
+    return Reclaimed.of(found, dropped, stopped, time.monotonic() - started)
