@@ -49,7 +49,7 @@ from .runtime.peers import BlobServer, Peers
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .telemetry import Telemetry
-from .vmm import confine, merge, serial
+from .vmm import confine, machine, merge, serial
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
 from .volumes.mounts import SandboxVolumes
@@ -238,6 +238,7 @@ class Node:
         )
         confine.install(confinement)
         serial.set_capacity(settings.serial_log_mib)
+        machine.set_translation_cache(settings.tcg_translation_cache_mib)
 
     def _domain(self) -> str:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""

@@ -101,6 +101,18 @@ def test_under_pressure_the_idlest_that_grew_go_first_until_the_host_has_enough(
     assert FakeVM.reclaimed == [3, 2]  # idlest first; the busy one left once the host has enough
 
 
+def test_a_guest_at_work_is_scanned_once_it_rests_also_when_it_freed_without_growing() -> None:
+    vm = FakeVM(1, 300, 0)
+    policy = MemoryReclaimer(lambda: [sandbox("a", vm)], interval=0, growth_mib=16, pressure_mib=0)
+    asyncio.run(policy.sweep())
+    vm.cpu, vm.freed = 1000.0, 200  # at work: freed 200 MiB, its private memory the same
+    assert asyncio.run(policy.sweep()) == 0
+    assert asyncio.run(policy.sweep()) == 200 * 2**20  # rests now
+    assert FakeVM.reclaimed == [1]
+    assert asyncio.run(policy.sweep()) == 0  # neither grew nor ran since
+    assert FakeVM.reclaimed == [1]
+
+
 def test_a_sandbox_whose_lock_is_held_is_left_for_the_next_pass() -> None:
     vm = FakeVM(1, 50, 0, freed=100)
     held = sandbox("a", vm)

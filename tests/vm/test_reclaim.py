@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,7 +60,8 @@ def test_freed_guest_memory_goes_back_to_the_host_and_state_stays_exact(sandboxe
     # The node's policy, over this one sandbox as the orchestrator holds it.
     held = SimpleNamespace(id=parent.sandbox_id, vm=parent.vm, lock=asyncio.Lock(),
                            record=SimpleNamespace(state=State.RUNNING))  # fmt: skip
-    policy = MemoryReclaimer(lambda: [held], interval=0, growth_mib=16, pressure_mib=0)
+    # idle_share: the test sweeps right after the workload; the node waits until the guest rests.
+    policy = MemoryReclaimer(lambda: [held], interval=0, growth_mib=16, pressure_mib=0, idle_share=math.inf)
     assert node_loop.run(policy.sweep()) == 0  # the first pass records where the sandbox stands
     diverged = diverge(parent)
     assert diverged - fresh > 250, (fresh, diverged)

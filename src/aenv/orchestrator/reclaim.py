@@ -1,9 +1,10 @@
 """The node's memory policy: give the host back what guests freed, idlest sandboxes first.
 
-Every `reclaim_interval` seconds the node looks at each running sandbox's QEMU: its private
-memory (`RssAnon`, read from `/proc`, a few microseconds) and its CPU time. A sandbox whose
-private memory grew by `reclaim_growth_mib` since its last pass is scanned and the pages its
-guest freed go back to the host (`aenv.vmm.reclaim`: a guest of 228 MiB private memory after
+Every `reclaim_interval` seconds (2) the node looks at each running sandbox's QEMU: its private
+memory (`RssAnon`, read from `/proc`, a few microseconds) and its CPU time. A sandbox at rest
+(under 5 % of a core since the last look) whose private memory grew by `reclaim_growth_mib`, or
+that used half a CPU second, since its last scan is scanned, and the pages its guest freed go
+back to the host (`aenv.vmm.reclaim`: a guest of 228 MiB private memory after
 allocating and freeing 200 MiB and deleting 100 MiB of files got 209 MiB back in 0.25 s, its
 vCPUs stopped 0.14 s of that). While the host has less than `reclaim_pressure_mib` available,
 every running sandbox whose private memory grew at all since its last scan is scanned, idlest
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PRESSED_GROWTH_MIB = 1  # under host pressure: what a sandbox must have grown since its last scan
+# A guest frees memory by running (its private memory does not shrink, the pages are zeroed), so
+# one that used this much CPU since its last scan is scanned again once it rests; and one using
+# more than IDLE_SHARE of a core is at work, left until it rests (unless the host is pressed).
+ACTIVE_CPU_S = 0.5
+IDLE_SHARE = 0.05
 
 
 def private_mib(pid: int) -> float:
@@ -55,8 +61,9 @@ class _Watch:
     pid: int
     cpu: float = 0.0  # CPU seconds at the last pass
     baseline_mib: float = 0.0  # private memory after its last scan
+    scanned_cpu: float = 0.0  # CPU seconds at its last scan (first sight: as then)
     returned_bytes: int = 0
-    busy: float = 0.0  # CPU seconds used between the last two passes
+    busy: float = 0.0  # share of a core it used between the last two passes
 
 
 @dataclass(eq=False)  # hashable by identity: a Prometheus registry keys its collectors by them
@@ -68,11 +75,13 @@ class MemoryReclaimer:
     growth_mib: int
     pressure_mib: int
     available_mib: Callable[[], int] = lambda: meminfo_mib("MemAvailable")
+    idle_share: float = IDLE_SHARE
     returned_bytes: int = 0
     passes: int = 0
     stopped_seconds: float = 0.0
     _watches: dict[str, _Watch] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
+    _last_pass: float = field(default_factory=time.monotonic)
 
     def start(self) -> None:
         if self.interval > 0:
@@ -95,6 +104,8 @@ class MemoryReclaimer:
     def _running(self) -> list[tuple[Sandbox, _Watch]]:
         """Running sandboxes with their watches, idlest first (the watches of the gone dropped)."""
         found: dict[str, tuple[Sandbox, _Watch]] = {}
+        now = time.monotonic()
+        elapsed, self._last_pass = max(now - self._last_pass, 1e-3), now
         for sandbox in self.sandboxes():
             if sandbox.vm is None or sandbox.record.state != State.RUNNING:
                 continue
@@ -102,10 +113,11 @@ class MemoryReclaimer:
             watch = self._watches.get(sandbox.id)
             with contextlib.suppress(OSError):  # its QEMU ended meanwhile
                 if watch is None or watch.pid != vm.pid:
-                    watch = _Watch(vm.pid, cpu=vm.cpu_seconds(), baseline_mib=private_mib(vm.pid))
+                    cpu = vm.cpu_seconds()
+                    watch = _Watch(vm.pid, cpu=cpu, baseline_mib=private_mib(vm.pid), scanned_cpu=cpu)
                 else:
                     cpu = vm.cpu_seconds()
-                    watch.busy, watch.cpu = cpu - watch.cpu, cpu
+                    watch.busy, watch.cpu = (cpu - watch.cpu) / elapsed, cpu
                 found[sandbox.id] = (sandbox, watch)
         self._watches = {sandbox_id: watch for sandbox_id, (_, watch) in found.items()}
         return sorted(found.values(), key=lambda pair: pair[1].busy)
@@ -115,11 +127,15 @@ class MemoryReclaimer:
         self.passes += 1
         returned = 0
         for sandbox, watch in self._running():
-            # Under pressure any growth since the last scan will do; a sandbox that did not grow
-            # at all has nothing new to give, and scanning it again would only burn CPU.
-            growth = PRESSED_GROWTH_MIB if self.available_mib() < self.pressure_mib else self.growth_mib
+            pressed = self.available_mib() < self.pressure_mib
+            if watch.busy > self.idle_share and not pressed:
+                continue  # at work: it is scanned once it rests, when what it freed stays freed
+            # Under pressure any growth will do; a sandbox that neither grew nor ran since its
+            # last scan has nothing new to give, and scanning it again would only burn CPU.
+            growth = PRESSED_GROWTH_MIB if pressed else self.growth_mib
             with contextlib.suppress(OSError):  # its QEMU ended meanwhile
-                if private_mib(watch.pid) - watch.baseline_mib >= growth:
+                grown = private_mib(watch.pid) - watch.baseline_mib >= growth
+                if grown or watch.cpu - watch.scanned_cpu >= ACTIVE_CPU_S:
                     returned += await self._reclaim(sandbox, watch)
         return returned
 
@@ -147,7 +163,7 @@ class MemoryReclaimer:
         except (reclaim.ReclaimError, OSError, LookupError) as exc:
             log.warning("reclaiming the memory of sandbox %s failed: %s", sandbox.id, exc)
             return 0
-        watch.baseline_mib = private_mib(watch.pid)
+        watch.baseline_mib, watch.scanned_cpu = private_mib(watch.pid), watch.cpu
         returned = int(result.returned_mib * 2**20)
         watch.returned_bytes += returned
         self.returned_bytes += returned

@@ -59,7 +59,21 @@ _TAP_FD = 4
 _RECOVERY_FD = 5
 _SERIAL_FD = 6
 _MEMORY_FD = 7  # a template build's memory file, whose directory QEMU's user may not enter
+# TCG's translation buffer (`-accel tcg,tb-size=`, MiB; KVM has none): QEMU reserves it whole,
+# but it is host RAM only where translated code was written, and a guest that ran a workload
+# fills it, so it is most of what a diverged guest's QEMU keeps beyond its guest RAM. Full, it is
+# flushed and code translated again.
+# The node sets it from `tcg_translation_cache_mib` (`set_translation_cache`).
 TCG_TRANSLATION_CACHE_MIB = 64
+_translation_cache_mib = TCG_TRANSLATION_CACHE_MIB
+
+
+def set_translation_cache(mib: int) -> None:
+    """Every TCG QEMU this process starts from now on gets a translation buffer of `mib` MiB."""
+    global _translation_cache_mib
+    _translation_cache_mib = mib
+
+
 # microvm without the legacy PIT, PIC and RTC: the guest runs on the local APIC timer and TSC
 # (and gets the wall clock from envd's /init). Under TCG the legacy timers alone cost an idle
 # guest more than half of its CPU time (0.8 % of a core per idle VM with them, 0.33 % without).
@@ -117,7 +131,7 @@ class MachineConfig:
     def argv(self, *, tap_fd: int | None, qmp_fd: int, workdir: Path, incoming: bool) -> list[str]:
         """The QEMU command line for this machine."""
         cpu = "host" if self.accel == "kvm" else "max"
-        accel = "kvm" if self.accel == "kvm" else f"tcg,tb-size={TCG_TRANSLATION_CACHE_MIB}"
+        accel = "kvm" if self.accel == "kvm" else f"tcg,tb-size={_translation_cache_mib}"
         argv = [
             QEMU_BINARY,
             "-M", f"{MACHINE_TYPE},memory-backend=mem",
