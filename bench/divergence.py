@@ -14,10 +14,13 @@ used is the overcommit under divergence (`--memory-merge` measures it with KSM o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
+from collections.abc import Iterable
 from typing import Any
 
+from aenv.orchestrator.reclaim import private_mib as qemu_private_mib
 from aenv.snapshot.memory import PAGE_SIZE, dirty_pages
 
 from .context import Context, Sandboxes, bounded
@@ -43,6 +46,15 @@ def guest_ram(pid: int, memory_mib: int) -> tuple[int, int]:
             if len(fields) == 6 and end - start == memory_mib << 20:
                 return start, end
     raise LookupError(f"QEMU {pid} maps no guest RAM of {memory_mib} MiB")
+
+
+def _median_private(pids: Iterable[int]) -> float | None:
+    """Median private memory (`RssAnon`) of the QEMUs: unlike host RAM used, blind to other processes."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found.append(qemu_private_mib(pid))
+    return statistics.median(found) if found else None
 
 
 def private_mib(pid: int, memory_mib: int) -> float:
@@ -82,6 +94,7 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         fresh = (host_used_mib() - before) / len(live) if local else None
         pids = ctx.node.sandbox_pids()
+        fresh_qemu = _median_private(pids.values())
         memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
         returns = await bounded(
             CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"]), memory_mib) for s in live]
@@ -92,7 +105,10 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.divergence_idle_s
         diverged = (host_used_mib() - before) / len(live) if local else None
+        diverged_qemu = _median_private(pids.values())
     note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
+    if fresh_qemu is not None and diverged_qemu is not None:
+        note += f", QEMU private memory {fresh_qemu:.1f} MiB fresh, {diverged_qemu:.1f} MiB diverged (median)"
     if ctx.node.memory_merge:
         note += f", KSM on: {merged_mib():.0f} MiB saved, ksmd {ksmd_cores:.2f} cores while idle"
     else:
