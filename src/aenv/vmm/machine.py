@@ -62,7 +62,11 @@ _MEMORY_FD = 7  # a template build's memory file, whose directory QEMU's user ma
 # TCG's translation buffer (`-accel tcg,tb-size=`, MiB; KVM has none): QEMU reserves it whole,
 # but it is host RAM only where translated code was written, and a guest that ran a workload
 # fills it, so it is most of what a diverged guest's QEMU keeps beyond its guest RAM. Full, it is
-# flushed and code translated again.
+# flushed and code translated again. Measured (bench divergence, 6 sandboxes that each allocate
+# and free 200 MiB and write then delete 100 MiB of files; one run each, shared host): a diverged
+# QEMU's private memory 99.2 MiB at 64 against 71.6 MiB at 32 (fresh: 31-34), the workload 3.7 s
+# against 5.1 s, and 6.6 s at 16. A smaller buffer slows every command and still leaves a
+# diverged sandbox over twice a fresh one, so 64 stays the default.
 # The node sets it from `tcg_translation_cache_mib` (`set_translation_cache`).
 TCG_TRANSLATION_CACHE_MIB = 64
 _translation_cache_mib = TCG_TRANSLATION_CACHE_MIB
