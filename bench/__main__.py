@@ -1,7 +1,7 @@
 """Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
-                    [--seed HOME] [--memory-merge] [--rollout-counts N[,N]]
+                    [--seed HOME] [--memory-merge] [--rollout-counts N[,N]] [--divergence N]
                     [--rollout-parts concurrent,fanout,reset]
 
 Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
@@ -93,6 +93,9 @@ def main() -> int:
     parser.add_argument(
         "--rollout-parts", type=_parts, metavar="PART[,PART]", help="parts of `rollout` (default: all)"
     )
+    parser.add_argument(
+        "--divergence", type=lambda v: _counts(v)[0], metavar="N", help="sandboxes of `divergence`"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _terminate(os.getpid()))
     options = Options(
@@ -107,6 +110,7 @@ def main() -> int:
         scale_full=args.scale_full,
         rollout_counts=args.rollout_counts,
         rollout_parts=args.rollout_parts,
+        divergence=args.divergence,
     )
     try:
         return run(options)

@@ -22,6 +22,7 @@ from typing import Any
 from . import cluster, dataplane, density, figures, fusion, loaded, rollouts, scale, soak, storage, templates
 from .client import NodeClient
 from .context import Context
+from .divergence import divergence
 from .floors import FloorLab
 from .merging import ksm_scanning
 from .node import LocalNode, Node, remote_node
@@ -52,6 +53,7 @@ MEASURES: dict[str, Measure] = {
     "fusion": fusion.fusion,
     "rollout": rollouts.rollouts,
     "cluster-scale": scale.cluster_scale,
+    "divergence": divergence,
 }
 # Figures whose floor is the bare restore or the bare save: measured first, on a quiet host.
 _BASE_FLOORED = {"create", "pause", "resume", "resume-released", "snapshot"}
@@ -70,6 +72,7 @@ class Options:
     scale_full: bool = False  # cluster-scale at its full size
     rollout_counts: tuple[int, ...] | None = None  # instead of the mode's
     rollout_parts: tuple[str, ...] | None = None  # instead of all
+    divergence: int | None = None  # sandboxes of the divergence figure, instead of the mode's
 
     @property
     def plan(self) -> Plan:
@@ -78,6 +81,8 @@ class Options:
             plan = replace(plan, rollout_counts=self.rollout_counts)
         if self.rollout_parts is not None:
             plan = replace(plan, rollout_parts=self.rollout_parts)
+        if self.divergence is not None:
+            plan = replace(plan, divergence=self.divergence)
         return plan if self.soak_cycles is None else replace(plan, soak=self.soak_cycles)
 
     @property

@@ -33,6 +33,7 @@ FIGURES = (
     "fusion",
     "rollout",
     "cluster-scale",
+    "divergence",
 )
 
 
@@ -93,6 +94,11 @@ TARGETS: dict[str, Target] = {
     "density-overcommit": Target("value", ">=", 20, "x", previous=">= 12x"),
     "density-ram": Target("value", "<=", 25, "MiB"),
     "density-cpu": Target("value", "<=", 0.3, "%"),
+    # issue 36 (bench.divergence): freed guest memory back within 10 s; a diverged idle sandbox
+    # costs at most 1.5x a fresh one; overcommit >= 10x with KSM off (>= 20x with it on)
+    "divergence-return": Target("p95", "<=", 10, "s"),
+    "divergence-ram": Target("value", "<=", 1.5, "x"),
+    "divergence-overcommit": Target("value", ">=", 10, "x"),
     "soak": Target("value", "<=", 0, "count"),
     # RSS growth over the soak's second half (bench.soak): a plateau stays within noise, while a
     # leak of 4 KiB per cycle would show 2 MiB over the 500 cycles of the full mode's second half

@@ -49,7 +49,7 @@ from .runtime.peers import BlobServer, Peers
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
 from .telemetry import Telemetry
-from .vmm import confine, merge, serial
+from .vmm import confine, machine, merge, serial
 from .vmm.accel import choose_accelerator
 from .vmm.mountview import MountView
 from .volumes.mounts import SandboxVolumes
@@ -176,6 +176,7 @@ class Node:
         )  # fmt: skip
         proxy = self.api.proxy
         events.subscribe(SandboxStopped, lambda stopped: proxy.release(stopped.sandbox_id))
+        self.api.registry.register(self.orchestrator.reclaimer)
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.runtime.peers.
@@ -239,6 +240,7 @@ class Node:
         )
         confine.install(confinement)
         serial.set_capacity(settings.serial_log_mib)
+        machine.set_translation_cache(settings.tcg_translation_cache_mib)
 
     def _domain(self) -> str:
         """Sandbox hosts are `{port}-{id}.{domain}`; by default `*.localhost` on the API's port."""

@@ -33,6 +33,7 @@ from .history import MetricsHistory
 from .interface import CreateRequest
 from .lifecycle import Lifecycle
 from .mounting import VolumeMounts
+from .reclaim import MemoryReclaimer
 from .recovery import Recovery
 from .sandboxes import Sandbox, SandboxTable
 from .store import SandboxStore
@@ -60,6 +61,10 @@ class Orchestrator:
         self.table = table = SandboxTable(store, self.events)
         self.sandboxes = table.sandboxes
         networks = engine.networks
+        self.reclaimer = MemoryReclaimer(
+            table.sandboxes.values, settings.reclaim_interval, settings.reclaim_growth_mib,
+            settings.reclaim_pressure_mib,
+        )  # fmt: skip
         self.admission = Admission(
             home=settings.home_path,
             disk_reserve_mib=settings.disk_reserve_mib,
@@ -69,6 +74,8 @@ class Orchestrator:
                 + engine.checkpoints.standbys.memory_mib()
             ),
             free_slots=lambda: None if networks is None else networks.available,
+            held_mib=self.reclaimer.held_mib,
+            memory_reserve_mib=settings.memory_reserve_mib,
         )
         self.mounts = VolumeMounts(volumes)
         self.history = MetricsHistory(engine.workdir)
@@ -108,6 +115,7 @@ class Orchestrator:
         """
         await self.recovery.start(networks or {})
         self.eviction.start()
+        self.reclaimer.start()
 
     def vm_pids(self) -> set[int]:
         """The QEMU processes of the sandboxes whose VM this node holds (running or parked)."""
@@ -116,6 +124,7 @@ class Orchestrator:
     async def close(self) -> None:
         """Pause (or kill, by configuration) every running sandbox, then stop."""
         await self.eviction.close()
+        await self.reclaimer.stop()
         await self.engine.close()
         self.lifecycle.stop_watching()
         for sandbox in list(self.sandboxes.values()):

@@ -66,7 +66,7 @@ def dirty_pages(pid: int, start: int, end: int) -> np.ndarray:
     return np.flatnonzero(written).astype(np.uint64)
 
 
-def _runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
+def runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
     """(first index, length) of each run of consecutive page indices, bounded in size."""
     if indices.size == 0:
         return
@@ -120,7 +120,7 @@ def capture_delta(
 
         write(_header(int(indices.size), memory_size))
         write(indices.astype("<u8").tobytes().ljust(_index_area(int(indices.size)), b"\0"))
-        for first, length in _runs(indices):
+        for first, length in runs(indices):
             _check(stop)
             write(os.pread(mem.fileno(), length * PAGE_SIZE, start + first * PAGE_SIZE))
         f.flush()
@@ -165,7 +165,7 @@ def _layer_chunks(layer: Path, expected_size: int) -> Iterator[tuple[int, bytes]
     _check_size(layer, memory_size, expected_size)
     position = _HEADER_SIZE + _index_area(int(indices.size))
     with open(layer, "rb", buffering=0) as f:
-        for first, length in _runs(indices):
+        for first, length in runs(indices):
             chunk = os.pread(f.fileno(), length * PAGE_SIZE, position)
             if len(chunk) != length * PAGE_SIZE:
                 raise DeltaFormatError(f"{layer} is truncated")

@@ -1,0 +1,133 @@
+"""Divergence: what sandboxes cost the host after their guests used memory and freed it (issue 36).
+
+Sandboxes from `base` are created and left idle; host RAM used (MemTotal - MemAvailable, against
+the same before the creates) gives a fresh idle sandbox's cost. Then each guest allocates and
+touches 200 MiB and frees it, and writes then deletes 100 MiB of files. For each, the time from
+the end of its workload until 80 % of the guest RAM it made private is back on the host (the
+private pages of the QEMU's guest RAM mapping, polled; QEMU's own memory, under TCG chiefly the
+translation cache of the code the workload ran, was never guest memory) is the return time.
+After the idle period host RAM per diverged sandbox is set against the fresh figure, and the
+guest RAM configured over the host RAM
+used is the overcommit under divergence (`--memory-merge` measures it with KSM on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from aenv.orchestrator.reclaim import private_mib as qemu_private_mib
+from aenv.snapshot.memory import PAGE_SIZE, dirty_pages
+
+from .context import Context, Sandboxes, bounded
+from .density import cpu_seconds, host_used_mib
+from .merging import ksmd_pid, merged_mib
+from .report import Row
+from .stats import summarize
+
+ALLOCATE = "python3 -c 'b = bytearray(200 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n'"
+FILES = "dd if=/dev/urandom of=/root/big bs=1M count=100 status=none && sync && rm /root/big && sync"
+RETURNED_SHARE = 0.8
+RETURN_TIMEOUT_S = 60.0
+POLL_S = 0.25
+CONCURRENCY = 2  # guests running the workload at once (TCG: one per host core)
+
+
+def guest_ram(pid: int, memory_mib: int) -> tuple[int, int]:
+    """Address range of a QEMU's guest RAM: its file mapping of exactly the guest's size."""
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) == 6 and end - start == memory_mib << 20:
+                return start, end
+    raise LookupError(f"QEMU {pid} maps no guest RAM of {memory_mib} MiB")
+
+
+def _median_private(pids: Iterable[int]) -> float | None:
+    """Median private memory (`RssAnon`) of the QEMUs: unlike host RAM used, blind to other processes."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found.append(qemu_private_mib(pid))
+    return statistics.median(found) if found else None
+
+
+def private_mib(pid: int, memory_mib: int) -> float:
+    """MiB of guest RAM the QEMU holds privately (pages the guest wrote and the host still keeps)."""
+    return dirty_pages(pid, *guest_ram(pid, memory_mib)).size * PAGE_SIZE / 2**20
+
+
+async def _diverge(
+    ctx: Context, sandbox: dict[str, Any], pid: int | None, memory_mib: int
+) -> tuple[float, float | None]:
+    """Run the workload; its seconds, and the seconds until 80 % of the guest RAM it made private is
+    back (None: not local)."""
+    before = private_mib(pid, memory_mib) if pid is not None else 0.0
+    started = time.monotonic()
+    await ctx.client.run(sandbox, ALLOCATE)
+    await ctx.client.run(sandbox, FILES)
+    freed_at = time.monotonic()
+    if pid is None:
+        return freed_at - started, None
+    peak = private_mib(pid, memory_mib)
+    goal = peak - RETURNED_SHARE * (peak - before)
+    while private_mib(pid, memory_mib) > goal:
+        if time.monotonic() - freed_at > RETURN_TIMEOUT_S:
+            return freed_at - started, RETURN_TIMEOUT_S
+        await asyncio.sleep(POLL_S)
+    return freed_at - started, time.monotonic() - freed_at
+
+
+async def divergence(ctx: Context) -> list[Row]:
+    count, local = ctx.plan.divergence, ctx.node.local
+    before = host_used_mib() if local else 0.0
+    async with Sandboxes(ctx.client) as sandboxes:
+        created = await bounded(4, [sandboxes.create for _ in range(count)])
+        live = [s for s in created if isinstance(s, dict)]
+        if not live:
+            raise RuntimeError(f"no sandbox could be created: {created[0]}")
+        await asyncio.sleep(ctx.plan.divergence_idle_s)
+        fresh = (host_used_mib() - before) / len(live) if local else None
+        pids = ctx.node.sandbox_pids()
+        fresh_qemu = _median_private(pids.values())
+        memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
+        returns = await bounded(
+            CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"]), memory_mib) for s in live]
+        )
+        failed = [str(r) for r in returns if isinstance(r, BaseException)]
+        ksmd = [pid] if ctx.node.memory_merge and (pid := ksmd_pid()) is not None else []
+        ksmd_before = cpu_seconds(ksmd)
+        await asyncio.sleep(ctx.plan.divergence_idle_s)
+        ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.divergence_idle_s
+        diverged = (host_used_mib() - before) / len(live) if local else None
+        diverged_qemu = _median_private(pids.values())
+    note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
+    if fresh_qemu is not None and diverged_qemu is not None:
+        note += f", QEMU private memory {fresh_qemu:.1f} MiB fresh, {diverged_qemu:.1f} MiB diverged (median)"
+    if ctx.node.memory_merge:
+        note += f", KSM on: {merged_mib():.0f} MiB saved, ksmd {ksmd_cores:.2f} cores while idle"
+    else:
+        note += ", KSM off"
+    if failed:
+        note += f"; {len(failed)} workloads failed: {failed[-1]}"
+    done = [r for r in returns if isinstance(r, tuple)]
+    times = [back for _, back in done if back is not None]
+    if done:
+        note += f"; workload median {statistics.median(took for took, _ in done):.1f} s"
+    if fresh is None or diverged is None or not times:
+        return [Row("divergence", summarize("divergence: sandboxes", [len(live)], unit="count"), note=note)]
+    details = {"fresh_mib_per_sandbox": round(fresh, 1), "diverged_mib_per_sandbox": round(diverged, 1),
+               "sandboxes": len(live), "return_s": times, "failed": failed}  # fmt: skip
+    return [
+        Row("divergence-return", summarize("divergence: 80 % of freed memory back (s)", times, unit="s"),
+            note=note, details=details),
+        Row("divergence-ram", summarize("divergence: host RAM per diverged / fresh idle sandbox",
+            [diverged / fresh], unit="x"), note=f"{diverged:.1f} MiB against {fresh:.1f} MiB"),
+        Row("divergence-overcommit", summarize("divergence: overcommit (guest RAM / host RAM)",
+            [memory_mib / diverged], unit="x")),
+    ]  # fmt: skip
