@@ -49,7 +49,9 @@ async def build(
     the caller may reuse the name and the slot at once, as it could after a cancelled `create`.
     """
     made = asyncio.wrap_future(
-        asyncio.run_coroutine_threadsafe(SandboxNetwork.create(name, slot, policy, on_destroy), _builder_loop())
+        asyncio.run_coroutine_threadsafe(
+            SandboxNetwork.create(name, slot, policy, on_destroy), _builder_loop()
+        )
     )
     try:
         return await asyncio.shield(made)
