@@ -43,6 +43,8 @@ template's lookup and `vmm_cpu_weight` 10 (two runs): API p99 11-19 ms (max 128-
 rollouts/min, p50 0.8-1.0 s, p99 13-15 s; the loop 10 % busy, the main thread ran 30-31 s and
 waited 7.2-7.6 s. At 64 the API
 p99 went 49-50 -> 12-13 ms, at 16 21 -> 2 ms (tool call p50 264 -> 129 ms, 136 -> 155/min).
+`vmm_cpu_weight` went back to 100 by default afterwards: on cgroup v1 each busy process outside
+the VMs' group then outweighed them all, and the 256-SDK-sandbox test through a gateway starved.
 
 Resets now continue a standby restored ahead of time (`aenv.snapshot.standby`; quick, reset rows
 only, `--rollout-parts reset`, 3 runs each): reset 375/396/400 ms against a parked resume's

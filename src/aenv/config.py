@@ -76,13 +76,14 @@ class Settings:
     vmm_memory_overhead_mib: int = 192
     vmm_pids_max: int = 256
     # The CPU weight of all VMs together against the node's 100 (cgroup v2 cpu.weight, 1..10000;
-    # aenv.vmm.confine.CgroupTree.weigh), when they and the node want more CPU than the host has:
-    # how long the node's API waits for a CPU on a host its VMs keep busy. Each VM stays bounded
-    # to its vCPUs and VMs share equally among themselves, whatever it is. 10: the node (5-10 %
-    # of the host's CPU at 16-256 rollouts at once under TCG) waited a third as long for a CPU,
-    # and its API p99 at 64 rollouts went from 49 ms to 12 ms (bench `rollout`, 2 cores); 100 is
-    # the kernel's default, an equal share.
-    vmm_cpu_weight: int = 10
+    # aenv.vmm.confine.CgroupTree.weigh), when they and the node want more CPU than the host has.
+    # Each VM stays bounded to its vCPUs and VMs share equally among themselves, whatever it is.
+    # 100, the kernel's default, stays: at 10 the node's API waited a third as long for a CPU at
+    # 64 rollouts (p99 49 -> 12 ms, bench `rollout`, 2 cores), but on cgroup v1 every process of
+    # the root group weighs 1024 shares against the VMs' whole group, so a few busy host processes
+    # (an SDK client, a gateway, a second node) starved every guest: 256 SDK sandboxes through a
+    # gateway over two nodes had guests miss their 30 s `/init` and commands their 240 s bound.
+    vmm_cpu_weight: int = 100
     # Volumes (aenv.volumes): each is a filesystem image of its size, volume_max_mib when a create
     # names none (and the most one may name). Their servers map guests' uids and gids 0..65535
     # onto the host's volume_uid_base.. (a range that must hold no host user).
