@@ -14,18 +14,18 @@ used is the overcommit under divergence (`--memory-merge` measures it with KSM o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
 import time
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from aenv.orchestrator.reclaim import private_mib as qemu_private_mib
 from aenv.snapshot.memory import PAGE_SIZE, dirty_pages
 
 from .context import Context, Sandboxes, bounded
-from .density import cpu_seconds, host_used_mib
+from .density import cpu_seconds, host_used_mib, qemu_memory_mib
 from .merging import ksmd_pid, merged_mib
+from .reclaimoff import reclaim_on_against_off
 from .report import Row
 from .stats import summarize
 
@@ -48,13 +48,35 @@ def guest_ram(pid: int, memory_mib: int) -> tuple[int, int]:
     raise LookupError(f"QEMU {pid} maps no guest RAM of {memory_mib} MiB")
 
 
-def _median_private(pids: Iterable[int]) -> float | None:
-    """Median private memory (`RssAnon`) of the QEMUs: unlike host RAM used, blind to other processes."""
-    found = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            found.append(qemu_private_mib(pid))
-    return statistics.median(found) if found else None
+@dataclass(frozen=True)
+class Held:
+    """What a sandbox's QEMU holds privately (MiB, median over the QEMUs, each part on its own),
+    by mapping (`bench.density.qemu_memory_mib`); unlike host RAM used, blind to other processes."""
+
+    guest: float  # guest RAM: pages the guest wrote that the host still keeps (copies of the image's)
+    cache: float  # TCG's translation cache: its resident pages (none under KVM)
+    rest: float  # the rest of QEMU's anonymous memory (heap, TLB tables, thread stacks, buffers)
+    cache_unmerged: float  # the cache's pages KSM left unmerged: what a host without it keeps less
+
+    @property
+    def private(self) -> float:
+        return self.guest + self.cache + self.rest
+
+    def __str__(self) -> str:
+        return f"guest RAM {self.guest:.1f} + translation cache {self.cache:.1f} + rest {self.rest:.1f}"
+
+
+def held(pids: Iterable[int], memory_mib: int) -> Held | None:
+    """Median private memory of the QEMUs by part; None when none is running."""
+    usage = [u for u in (qemu_memory_mib(pid, memory_mib) for pid in pids) if u["rss"] > 0]
+    if not usage:
+        return None
+
+    def median(key: str) -> float:
+        return statistics.median(u[key] for u in usage)
+
+    unmerged = statistics.median(u["tcg_code"] - u["tcg_code_merged"] for u in usage)
+    return Held(median("guest_ram_written"), median("tcg_code"), median("qemu_other_anon"), unmerged)
 
 
 def private_mib(pid: int, memory_mib: int) -> float:
@@ -85,6 +107,8 @@ async def _diverge(
 
 async def divergence(ctx: Context) -> list[Row]:
     count, local = ctx.plan.divergence, ctx.node.local
+    lifecycle = await reclaim_on_against_off(ctx) if local else []
+    await ctx.host_quiet()
     before = host_used_mib() if local else 0.0
     async with Sandboxes(ctx.client) as sandboxes:
         created = await bounded(4, [sandboxes.create for _ in range(count)])
@@ -94,8 +118,8 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         fresh = (host_used_mib() - before) / len(live) if local else None
         pids = ctx.node.sandbox_pids()
-        fresh_qemu = _median_private(pids.values())
         memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
+        fresh_qemu = held(pids.values(), memory_mib)
         returns = await bounded(
             CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"]), memory_mib) for s in live]
         )
@@ -105,10 +129,11 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.divergence_idle_s
         diverged = (host_used_mib() - before) / len(live) if local else None
-        diverged_qemu = _median_private(pids.values())
+        diverged_qemu = held(pids.values(), memory_mib)
     note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
     if fresh_qemu is not None and diverged_qemu is not None:
-        note += f", QEMU private memory {fresh_qemu:.1f} MiB fresh, {diverged_qemu:.1f} MiB diverged (median)"
+        note += (f", QEMU private memory (median) {fresh_qemu.private:.1f} MiB fresh ({fresh_qemu}), "
+                 f"{diverged_qemu.private:.1f} MiB diverged ({diverged_qemu})")  # fmt: skip
     if ctx.node.memory_merge:
         note += f", KSM on: {merged_mib():.0f} MiB saved, ksmd {ksmd_cores:.2f} cores while idle"
     else:
@@ -120,14 +145,48 @@ async def divergence(ctx: Context) -> list[Row]:
     if done:
         note += f"; workload median {statistics.median(took for took, _ in done):.1f} s"
     if fresh is None or diverged is None or not times:
-        return [Row("divergence", summarize("divergence: sandboxes", [len(live)], unit="count"), note=note)]
+        return [
+            *lifecycle,
+            Row("divergence", summarize("divergence: sandboxes", [len(live)], unit="count"), note=note),
+        ]
     details = {"fresh_mib_per_sandbox": round(fresh, 1), "diverged_mib_per_sandbox": round(diverged, 1),
                "sandboxes": len(live), "return_s": times, "failed": failed}  # fmt: skip
-    return [
+    rows = [
+        *lifecycle,
         Row("divergence-return", summarize("divergence: 80 % of freed memory back (s)", times, unit="s"),
             note=note, details=details),
         Row("divergence-ram", summarize("divergence: host RAM per diverged / fresh idle sandbox",
             [diverged / fresh], unit="x"), note=f"{diverged:.1f} MiB against {fresh:.1f} MiB"),
         Row("divergence-overcommit", summarize("divergence: overcommit (guest RAM / host RAM)",
             [memory_mib / diverged], unit="x")),
+    ]  # fmt: skip
+    if fresh_qemu is None or diverged_qemu is None:
+        return rows
+    details |= {"qemu_fresh_mib": asdict(fresh_qemu), "qemu_diverged_mib": asdict(diverged_qemu)}
+    return rows + derived_rows(fresh, diverged, fresh_qemu, diverged_qemu, memory_mib)
+
+
+def derived_rows(
+    fresh: float, diverged: float, fresh_qemu: Held, diverged_qemu: Held, memory_mib: int
+) -> list[Row]:
+    """Host RAM per sandbox recomputed from its parts, to show what bounds the measured ratio.
+
+    `guest RAM alone`: a fresh sandbox's host RAM plus only what its guest RAM grew by, as if
+    QEMU's own memory had stayed as fresh. `without the translation cache`: host RAM per sandbox
+    less the cache's unmerged pages, fresh and diverged: what the same sandboxes would keep under
+    KVM, which has no translation cache (derived, not measured under KVM; its other TCG-only
+    memory, the software TLB, stays counted in both).
+    """
+    guest_alone = fresh + diverged_qemu.guest - fresh_qemu.guest
+    kvm_fresh, kvm_diverged = fresh - fresh_qemu.cache_unmerged, diverged - diverged_qemu.cache_unmerged
+    return [
+        Row("divergence-ram-guest", summarize("divergence: RAM diverged / fresh, guest RAM alone (derived)",
+            [guest_alone / fresh], unit="x"),
+            note=f"{guest_alone:.1f} MiB against {fresh:.1f} MiB: fresh plus the guest RAM's growth"),
+        Row("divergence-ram-kvm", summarize("divergence: RAM diverged / fresh, no TCG cache (derived)",
+            [kvm_diverged / kvm_fresh], unit="x"),
+            note=f"{kvm_diverged:.1f} MiB against {kvm_fresh:.1f} MiB: host RAM per sandbox less its "
+                 "translation cache (unmerged pages), what a KVM host would keep"),
+        Row("divergence-overcommit-kvm", summarize("divergence: overcommit, no TCG cache (derived)",
+            [memory_mib / kvm_diverged], unit="x")),
     ]  # fmt: skip
