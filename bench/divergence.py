@@ -1,14 +1,22 @@
 """Divergence: what sandboxes cost the host after their guests used memory and freed it (issue 36).
 
-Sandboxes from `base` are created and left idle; host RAM used (MemTotal - MemAvailable, against
-the same before the creates) gives a fresh idle sandbox's cost. Then each guest allocates and
-touches 200 MiB and frees it, and writes then deletes 100 MiB of files. For each, the time from
-the end of its workload until 80 % of the guest RAM it made private is back on the host (the
+First, create and resume with the reclaimer on against a node without it (`bench.reclaimoff`).
+Then sandboxes from `base` are created and left idle; host RAM used (MemTotal - MemAvailable,
+against the same before the creates) gives a fresh idle sandbox's cost. Then each guest allocates
+and touches 200 MiB and frees it, and writes then deletes 100 MiB of files. For each, the time
+from the end of its workload until 80 % of the guest RAM it made private is back on the host (the
 private pages of the QEMU's guest RAM mapping, polled; QEMU's own memory, under TCG chiefly the
 translation cache of the code the workload ran, was never guest memory) is the return time.
 After the idle period host RAM per diverged sandbox is set against the fresh figure, and the
-guest RAM configured over the host RAM
-used is the overcommit under divergence (`--memory-merge` measures it with KSM on).
+guest RAM configured over the host RAM used is the overcommit under divergence (`--memory-merge`
+measures it with KSM on).
+
+What each QEMU holds privately is split by mapping (`Held`, median over the QEMUs, fresh and
+diverged): guest RAM (pages the guest wrote that the host still keeps), TCG's translation cache
+(QEMU's anonymous executable mapping of `tb-size`) and the rest of QEMU. From the split, derived
+rows (not measurements of their own): host RAM diverged / fresh had only the guest RAM grown, and
+host RAM per sandbox without the translation cache (what a KVM host, which has none, would keep),
+its ratio and its overcommit: they show what bounds the measured figures under TCG.
 """
 
 from __future__ import annotations

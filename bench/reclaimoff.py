@@ -59,7 +59,7 @@ async def reclaim_on_against_off(ctx: Context) -> list[Row]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     note = (
-        f"{ctx.plan.loaded} samples per node, alternating with a second node that runs without the "
+        f"{ctx.plan.reclaim_off} samples per node, alternating with a second node that runs without the "
         "reclaimer (reclaim_interval=0), each after both warm pools refilled; floor: the same figure's "
         "median there"
     )
@@ -75,7 +75,7 @@ async def _alternating(on: Context, off: Context) -> tuple[tuple[list[float], ..
     """`loaded` create and resume samples on each node in turn: (creates, resumes) of each."""
     samples: dict[str, tuple[list[float], list[float]]] = {"on": ([], []), "off": ([], [])}
     async with Sandboxes(on.client) as on_boxes, Sandboxes(off.client) as off_boxes:
-        for _ in range(on.plan.loaded):
+        for _ in range(on.plan.reclaim_off):
             for name, ctx, other, boxes in (("on", on, off, on_boxes), ("off", off, on, off_boxes)):
                 await other.quiet()
                 creates, resumes = await create_resume_samples(ctx, boxes, 1)
