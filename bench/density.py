@@ -62,7 +62,11 @@ def cpu_seconds(pids: list[int]) -> float:
 # Where a sandbox's own host RAM goes, from its QEMU's /proc/<pid>/smaps: anonymous pages of the
 # guest RAM mapping (pages the guest wrote since its restore: copies of the shared memory image's),
 # of the TCG translation buffer (QEMU's only executable anonymous mapping), of everything else
-# anonymous (heap, thread stacks, device buffers), and its page tables.
+# anonymous (heap, thread stacks, device buffers), and its page tables. QEMU 10.0 on Linux maps
+# the translation buffer as one anonymous RWX mapping of `tb-size` (tcg/region.c,
+# `alloc_code_gen_buffer_anon`; split-wx is off unless QEMU is built with TCG debugging), cut by
+# one PROT_NONE guard page per region; under KVM there is none. `tcg_code_merged` (not a part):
+# the pages of that buffer KSM merged (smaps `KSM:`), counted in `tcg_code` of every QEMU sharing them.
 PARTS = ("guest_ram_written", "tcg_code", "qemu_other_anon", "page_tables")
 
 
@@ -71,7 +75,7 @@ def qemu_memory_mib(pid: int, guest_mib: int) -> dict[str, float]:
 
     The guest RAM mapping is the file mapping of exactly `guest_mib` (the clone's memory image).
     """
-    usage = dict.fromkeys(("rss", "pss", *PARTS), 0.0)
+    usage = dict.fromkeys(("rss", "pss", *PARTS, "tcg_code_merged"), 0.0)
     part = "qemu_other_anon"
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
@@ -88,6 +92,8 @@ def qemu_memory_mib(pid: int, guest_mib: int) -> dict[str, float]:
             elif field in ("Rss:", "Pss:", "Anonymous:"):
                 key = part if field == "Anonymous:" else field[:-1].lower()
                 usage[key] += int(rest.split()[0]) / 1024
+            elif field == "KSM:" and part == "tcg_code":
+                usage["tcg_code_merged"] += int(rest.split()[0]) / 1024
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmPTE:"):
                 usage["page_tables"] = int(line.split()[1]) / 1024

@@ -21,7 +21,9 @@ CREATE_CONCURRENCY = 4
 IDLE_SETTLE = 5.0  # seconds for the new sandboxes' restores and the warm pool's refill to end
 
 
-async def _samples(ctx: Context, sandboxes: Sandboxes, count: int) -> tuple[list[float], list[float]]:
+async def create_resume_samples(
+    ctx: Context, sandboxes: Sandboxes, count: int
+) -> tuple[list[float], list[float]]:
     """`count` creates and `count` resumes of a parked sandbox (ms), each sandbox killed after."""
     creates, resumes = [], []
     for _ in range(count):
@@ -42,13 +44,13 @@ async def _samples(ctx: Context, sandboxes: Sandboxes, count: int) -> tuple[list
 async def loaded(ctx: Context) -> list[Row]:
     idle = ctx.plan.loaded_idle
     async with Sandboxes(ctx.client) as sandboxes:
-        empty_creates, empty_resumes = await _samples(ctx, sandboxes, ctx.plan.loaded)
+        empty_creates, empty_resumes = await create_resume_samples(ctx, sandboxes, ctx.plan.loaded)
         created = await bounded(CREATE_CONCURRENCY, [sandboxes.create] * idle)
         failures = [c for c in created if isinstance(c, BaseException)]
         if failures:
             raise failures[0]
         await asyncio.sleep(IDLE_SETTLE)
-        creates, resumes = await _samples(ctx, sandboxes, ctx.plan.loaded)
+        creates, resumes = await create_resume_samples(ctx, sandboxes, ctx.plan.loaded)
     note = f"floor: the same figure on the node before the {idle} idle sandboxes were created"
     empty = "same, empty node"
     return [

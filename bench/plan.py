@@ -45,6 +45,7 @@ class Plan:
     scale_full: bool = False  # cluster-scale at the full size (`bench.scale.FULL`), not the smoke size
     divergence: int = 4  # sandboxes that allocate, touch and free memory (bench.divergence)
     divergence_idle_s: float = 5.0  # idle before the fresh and after the diverged measurement
+    reclaim_off: int = 2  # create and resume samples per node, reclaimer on and off (bench.reclaimoff)
 
 
 MODES: dict[str, Plan] = {
@@ -63,7 +64,7 @@ MODES: dict[str, Plan] = {
         proxy_rtt=30, throughput_mib=256, throughput_rounds=2, density=24, density_idle_s=10, soak=10,
         template_build=1, cluster_create=10, cluster_sandboxes=1000, cluster_list=5, fusion=3,
         rollout_counts=(16, 64), rollout_rounds=1, rollout_fan_out=100, rollout_resets=5,
-        divergence=16, divergence_idle_s=30,
+        divergence=16, divergence_idle_s=30, reclaim_off=10,
     ),
     "full": Plan(
         figures=FIGURES,
@@ -72,6 +73,6 @@ MODES: dict[str, Plan] = {
         proxy_rtt=100, throughput_mib=1024, throughput_rounds=3, density=500, density_idle_s=60, soak=1000,
         template_build=3, cluster_create=20, cluster_sandboxes=1000, cluster_list=10, fusion=10,
         rollout_counts=(16, 64, 256), rollout_rounds=2, rollout_fan_out=100, rollout_resets=20,
-        divergence=200, divergence_idle_s=30,
+        divergence=200, divergence_idle_s=30, reclaim_off=20,
     ),
 }  # fmt: skip

@@ -99,6 +99,13 @@ TARGETS: dict[str, Target] = {
     "divergence-return": Target("p95", "<=", 10, "s"),
     "divergence-ram": Target("value", "<=", 1.5, "x"),
     "divergence-overcommit": Target("value", ">=", 10, "x"),
+    # the same bounds on figures derived from the parts of what each QEMU holds (how close they came)
+    "divergence-ram-guest": Target("value", "<=", 1.5, "x"),
+    "divergence-ram-kvm": Target("value", "<=", 1.5, "x"),
+    "divergence-overcommit-kvm": Target("value", ">=", 10, "x"),
+    # floor: the same figure on a node without the reclaimer, alternating (within 10 %)
+    "divergence-create": _ratio("median", "<=", 1.1),
+    "divergence-resume": _ratio("median", "<=", 1.1),
     "soak": Target("value", "<=", 0, "count"),
     # RSS growth over the soak's second half (bench.soak): a plateau stays within noise, while a
     # leak of 4 KiB per cycle would show 2 MiB over the 500 cycles of the full mode's second half
