@@ -44,7 +44,7 @@ from .orchestrator.service import Orchestrator
 from .orchestrator.store import SandboxStore
 from .repository.contract import Repository
 from .repository.errors import AliasConflict, SnapshotNotFound
-from .runtime.open import Storage, open_storage
+from .runtime.open import Heartbeat, Storage, open_storage
 from .runtime.peers import BlobServer, Peers
 from .snapshot.engine import SnapshotEngine
 from .snapshot.parking import ParkingPolicy
@@ -114,6 +114,7 @@ class Node:
         self.api: NodeAPI | None = None
         self.slot_lock = SlotRangeLock(settings.slot_first, settings.slot_count)
         self.storage: Storage | None = None
+        self.heartbeat: Heartbeat | None = None  # the storage's: it stops with the node
         self.mount_view: MountView | None = None
         self.membership: Membership | None = None
 
@@ -130,11 +131,13 @@ class Node:
         key = api_key(settings)
         artifacts = await asyncio.to_thread(ensure_guest_artifacts)
         # Storage first: its on-demand loading mounts under the home, inside the VMMs' root.
-        self.storage = open_storage(settings, node_id(home), _cluster_peers(settings, node_id(home)))
-        self._confine_vmms(home, artifacts, self.storage.repository.local_root)
+        peers = _cluster_peers(settings, node_id(home))
+        self.storage = storage = open_storage(settings, node_id(home), peers)
+        self.heartbeat = storage.heartbeat
+        repository = storage.repository
+        self._confine_vmms(home, artifacts, repository.local_root)
         if settings.memory_merge:
             merge.enable()
-        repository = self.storage.repository
         repository.cleanup_staging(older_than=0)
         # Idle networks for a whole fork: making one on demand costs ~0.1 s of netlink and nft work.
         self.networks = NetworkPool(
@@ -147,7 +150,7 @@ class Node:
         events = EventBus()
         engine = SnapshotEngine(
             home, repository, artifacts, choice.accel, networks=self.networks, parking=parking,
-            runtime=self.storage.runtime, durable_pauses=repository.shared, events=events,
+            runtime=storage.runtime, durable_pauses=repository.shared, events=events,
             describe=pause_metadata(store), warm_size=settings.warm_pool_size,
             reset_standby=settings.reset_standby,
         )  # fmt: skip
@@ -168,7 +171,8 @@ class Node:
         await self.housekeeper.start()
         for manifest in repository.list("template"):
             await engine.keep_warm(manifest.id)
-        telemetry = Telemetry(CollectorRegistry())
+        registry = CollectorRegistry()
+        telemetry = Telemetry(registry)
         service = LocalNode(self.orchestrator, self.housekeeper, node_id(home), telemetry.observe)
         self.api = NodeAPI(
             service, domain=self._domain(), limits=schemas.limits(settings), volumes=volume_store,
@@ -176,14 +180,14 @@ class Node:
         )  # fmt: skip
         proxy = self.api.proxy
         events.subscribe(SandboxStopped, lambda stopped: proxy.release(stopped.sandbox_id))
-        self.api.registry.register(self.orchestrator.reclaimer)
+        registry.register(self.orchestrator.reclaimer)
         # auto_decompress=False: the proxy forwards bodies as sent (a gzip upload to envd stays
         # gzip, matching its Content-Encoding and Content-Length); the API takes no compressed bodies.
         # Peers fetch whole blobs from this node's cache (404 with P2P off): aenv.runtime.peers.
-        blobs = BlobServer(self.storage.cache if settings.p2p else None)
-        if self.storage.peers is not None:
-            self.api.registry.register(self.storage.peers)
-            self.api.registry.register(blobs)
+        blobs = BlobServer(storage.cache if settings.p2p else None)
+        if storage.peers is not None:
+            registry.register(storage.peers)
+            registry.register(blobs)
         self.runner = APIRunner(
             self.api.app(
                 key,
@@ -309,8 +313,8 @@ class Node:
         if self.mount_view is not None:
             self.mount_view.close()
         self.slot_lock.release()
-        if self.storage is not None:
-            self.storage.heartbeat.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         log.info("node stopped")
         return (self.engine.abandoned if self.engine is not None else 0) + given_up
 

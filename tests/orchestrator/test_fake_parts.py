@@ -112,9 +112,8 @@ class FakeEngine:
         self.templates = self.layers = None  # template builds: not run here
         self.pool = SimpleNamespace(ready=lambda snapshot_id: 0, target=lambda snapshot_id: 0)
         self.runtime = SimpleNamespace(cache_stats=lambda: None)
-        self.checkpoints = SimpleNamespace(
-            list=lambda sandbox_id: [], standbys=SimpleNamespace(memory_mib=lambda: 0)
-        )
+        self.checkpoints = SimpleNamespace(list=lambda sandbox_id: [])
+        self.standbys = SimpleNamespace(memory_mib=lambda: 0)
         self.parked = SimpleNamespace(pids=set)
         self.adopted: list[str] = []
 

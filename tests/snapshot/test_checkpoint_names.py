@@ -56,8 +56,8 @@ class _Host:
 def test_a_take_over_leaves_checkpoints_behind_and_says_so(tmp_path: Path) -> None:
     """The pause snapshot names the paused sandbox's checkpoints; the node that took it over
     answers for them that they stayed on the node it came from."""
-    before = Checkpoints(_Host(tmp_path / "a"), clones=None)  # type: ignore[arg-type]
-    after = Checkpoints(_Host(tmp_path / "b"), clones=None)  # type: ignore[arg-type]
+    before = Checkpoints(_Host(tmp_path / "a"), None, None, None, None)  # type: ignore[arg-type]
+    after = Checkpoints(_Host(tmp_path / "b"), None, None, None, None)  # type: ignore[arg-type]
     kept = checkpoint("start")
     record = before._root(kept.sandbox_id) / kept.checkpoint_id / RECORD
     record.parent.mkdir(parents=True)

@@ -28,17 +28,15 @@ def paused_on(repo: SnapshotRepository, work: Path) -> tuple[Handover, SandboxSt
     work.mkdir()
     for name in ("delta", "devices"):
         (work / name).write_bytes(name.encode())
-    host = SimpleNamespace(
-        repository=repo, runtime=SimpleNamespace(publish_layers=tuple), workdir=lambda _: work,
-        load_state=lambda _: SandboxState.load(work), stop=StopDeadline(),
-    )  # fmt: skip
+    host = SimpleNamespace(workdir=lambda _: work, load_state=lambda _: SandboxState.load(work))
     origin, _ = captured(repo, pending_of(repo))
     state = SandboxState(
         sandbox_id="s1", snapshot_id=origin.id, disk_layers=["lbase", "ltop"], network_name="n",
         delta=str(work / "delta"), devices=str(work / "devices"), paused=True,
     )  # fmt: skip
     state.save(work)
-    return Handover(host, enabled=True), state, origin  # type: ignore[arg-type]
+    runtime = SimpleNamespace(publish_layers=tuple)
+    return Handover(host, repo, runtime, StopDeadline(), enabled=True), state, origin  # type: ignore[arg-type]
 
 
 def test_a_resume_supersedes_the_upload_which_then_never_commits(tmp_path: Path, monkeypatch) -> None:
@@ -79,7 +77,10 @@ def test_a_take_over_tells_a_pause_its_own_node_took_back_from_one_another_node_
     repo = SnapshotRepository(tmp_path / "repo", grace_seconds=0, node="node-a")
     handover, state, origin = paused_on(repo, tmp_path / "sandbox")
     node_b = Handover(
-        SimpleNamespace(repository=SnapshotRepository(repo.root, node="node-b"), stop=StopDeadline()),
+        SimpleNamespace(),
+        SnapshotRepository(repo.root, node="node-b"),
+        SimpleNamespace(),
+        StopDeadline(),
         enabled=True,
     )  # type: ignore[arg-type]
 

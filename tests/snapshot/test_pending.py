@@ -32,10 +32,8 @@ def repo(tmp_path: Path) -> SnapshotRepository:
 
 
 def pending_of(repo: SnapshotRepository) -> PendingSnapshots:
-    host = SimpleNamespace(
-        repository=repo, runtime=SimpleNamespace(publish_layers=tuple), stop=StopDeadline()
-    )
-    return PendingSnapshots(host, repo.pending_dir())  # type: ignore[arg-type]
+    runtime = SimpleNamespace(publish_layers=tuple)
+    return PendingSnapshots(repo, runtime, StopDeadline(), repo.pending_dir())  # type: ignore[arg-type]
 
 
 def captured(repo: SnapshotRepository, pending: PendingSnapshots, *, alias: str | None = None):

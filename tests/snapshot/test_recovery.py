@@ -70,8 +70,8 @@ def test_a_killed_sandbox_takes_the_layers_it_sealed_and_only_those(tmp_path: Pa
 
     repository = SimpleNamespace(get=get, list=lambda: list(manifests.values()))
     fork = SandboxState("child", "s", ["base", "forked", "ctop"], "n2")
-    host = SimpleNamespace(repository=repository, layers=layers, sandbox_states=lambda: [fork])
-    recovery = Recovery(host, clones=None, warm_dir=tmp_path / "warm")  # type: ignore[arg-type]
+    host = SimpleNamespace(sandbox_states=lambda: [fork])
+    recovery = Recovery(host, repository, None, layers, None, tmp_path / "warm")  # type: ignore[arg-type]
     ended = SandboxState("gone", "s", ["base", "pause", "snapped", "forked", "pending", "top"], "n1")
     ended.kept_layers = ["checkpoint"]
 

@@ -42,6 +42,7 @@ from ..orchestrator.sandboxes import SandboxTable
 from ..orchestrator.service import Orchestrator
 from ..orchestrator.states import State
 from ..repository.contract import Repository
+from ..tasks import cancel
 from .client import SchedulerClient
 from .model import Binding, NodeCapacity, NodeInfo, NodeState, NodeUsage
 from .protocols import SandboxKilled, Scheduler
@@ -206,10 +207,7 @@ class Membership:
         result of an operation that ends as the cancellation arrives)."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)
         for kill in list(self._kills.values()):
             kill.cancel()
         await asyncio.gather(*self._kills.values(), return_exceptions=True)

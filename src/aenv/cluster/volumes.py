@@ -80,6 +80,7 @@ class VolumeRouting:
     def __init__(self, fleet: NodeFleet):
         self.fleet = fleet
         self.client = fleet.client  # carries the cluster secret
+        self.scheduler = fleet.scheduler
 
     def routes(self) -> list[tuple[str, str, Handler]]:
         content = CONTENT_PREFIX + "{volumeID}"
@@ -120,7 +121,7 @@ class VolumeRouting:
         info = next((n for n in await self.fleet.live_nodes() if n.node_id == node_id), None)
         if info is None:
             try:
-                info = await self.fleet.scheduler.node(node_id)
+                info = await self.scheduler.node(node_id)
             except NotFound:
                 raise NotFound(
                     f"volume {volume_id} not found (its node {node_id} left the cluster)"
@@ -140,7 +141,7 @@ class VolumeRouting:
         )
         found, silent = (
             [],
-            [n.node_id for n in await self.fleet.scheduler.nodes() if n.status == NodeState.DOWN],
+            [n.node_id for n in await self.scheduler.nodes() if n.status == NodeState.DOWN],
         )
         for info, answer in zip(live, answers, strict=True):
             if isinstance(answer, SandboxError):
@@ -186,7 +187,7 @@ class VolumeRouting:
                 f"a sandbox mounts volumes of one node only, and these are on several: {where}"
             )
         (home,) = set(homes.values())
-        return [n.node_id for n in await self.fleet.scheduler.nodes() if n.node_id != home]
+        return [n.node_id for n in await self.scheduler.nodes() if n.node_id != home]
 
     # -- control plane ---------------------------------------------------------------------------
 

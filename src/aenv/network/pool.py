@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from pyroute2 import AsyncIPRoute, netns
 
+from ..tasks import cancel
 from .builder import build
 from .egress import EgressPolicy, ensure_host_rules
 from .netns import SandboxNetwork, delete_link
@@ -189,10 +190,7 @@ class NetworkPool:
     async def close(self) -> None:
         """Stop filling and destroy every network the pool made, idle or leased."""
         self._closed = True
-        if self._filler is not None:
-            self._filler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._filler
+        await cancel(self._filler)
         while self._idle:
             self._idle.popleft().destroy()
         for network in list(self._leased.values()):

@@ -4,7 +4,7 @@
 implement it in memory (tests/orchestrator/test_fake_parts.py), so TTLs, restart recovery,
 pause and resume and the handover's decisions are tested in milliseconds. The jobs call
 nothing of the engine's beyond this, and receive the engine's parts they use besides (the
-repository, pending snapshots, warm pool, checkpoints, durable pauses, parked VMs) at
+repository, pending snapshots, warm pool, checkpoints, standbys, durable pauses, parked VMs) at
 construction.
 """
 

@@ -112,7 +112,7 @@ class Captures:
 
     def _standby_again(self, sandbox_id: str) -> None:
         """A sandbox running again after a pause gets its standby back (a pause drops it)."""
-        sandbox = self.table.sandboxes.get(sandbox_id)
+        sandbox = self.table.find(sandbox_id)
         if sandbox is None or sandbox.vm is None or sandbox.record.state != State.RUNNING:
             return
         if sandbox.vm.state.checkpoint is not None:
@@ -132,7 +132,7 @@ class Captures:
     def _snapshot_failed(self, manifest: SnapshotManifest) -> None:
         """A snapshot answered earlier failed to commit: unseal the disk layer it sealed, as soon as
         nothing else runs on its sandbox (a fork waiting for that very commit holds the lock now)."""
-        sandbox = self.table.sandboxes.get(manifest.source.get("sandbox_id", ""))
+        sandbox = self.table.find(manifest.source.get("sandbox_id", ""))
         if sandbox is None or not manifest.disk_layers:
             return
         task = asyncio.create_task(self._unseal(sandbox, manifest.disk_layers[-1]))

@@ -4,11 +4,11 @@ a shared repository, durably paused sandboxes another node took over are forgott
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from .. import logs
+from ..tasks import cancel
 from .errors import SandboxError
 from .handover import MOVED_CHECK_SECONDS, PauseHandover
 from .lifecycle import Lifecycle
@@ -31,10 +31,7 @@ class Eviction:
         self._task = asyncio.create_task(self._evict_forever())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)
 
     async def _evict_forever(self) -> None:
         checked = time.monotonic()

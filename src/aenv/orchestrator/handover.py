@@ -126,7 +126,7 @@ class PauseHandover:
                 self.table.forget(sandbox)
                 log.exception("taking over sandbox %s failed", sandbox_id)
                 raise OperationFailed(f"taking over sandbox {sandbox_id} failed: {exc}") from exc
-        self.table.lost.pop(sandbox_id, None)
+        self.table.clear_lost(sandbox_id)
         return sandbox
 
     async def discard_pause(self, sandbox_id: str) -> None:

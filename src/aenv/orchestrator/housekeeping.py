@@ -10,12 +10,12 @@ and reports what it removed as Prometheus metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
 from ..snapshot.engine import SnapshotEngine
+from ..tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,4 @@ class Housekeeper:
             await self.collect()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)

@@ -114,6 +114,7 @@ class LocalNode:
         self._catalog = orchestrator.catalog
         self._table = orchestrator.table
         self.builds = builds or _template_builds(orchestrator, observe)
+        self._uploads = self.builds.uploads  # the build files users send (`template_file`)
 
     def _sandbox(self, sandbox_id: str) -> Sandbox:
         return self.orchestrator.get(sandbox_id)
@@ -278,9 +279,9 @@ class LocalNode:
     async def template_file(self, template_id: str, files_hash: str) -> FileLink:
         with template_errors():
             self.builds.template(template_id)
-            if self.builds.uploads.present(files_hash):
+            if self._uploads.present(files_hash):
                 return FileLink(present=True)
-            expires, signature = self.builds.uploads.sign(template_id, files_hash)
+            expires, signature = self._uploads.sign(template_id, files_hash)
         return FileLink(present=False, expires=expires, signature=signature)
 
     async def receive_template_file(
@@ -293,8 +294,8 @@ class LocalNode:
         size: int | None,
     ) -> None:
         with template_errors():
-            self.builds.uploads.authorize(template_id, files_hash, expires, signature)
-            await self.builds.uploads.receive(files_hash, chunks, size)
+            self._uploads.authorize(template_id, files_hash, expires, signature)
+            await self._uploads.receive(files_hash, chunks, size)
 
     async def start_template_build(self, template_id: str, build_id: str, start: BuildStart) -> None:
         with template_errors():

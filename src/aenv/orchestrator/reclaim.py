@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..tasks import cancel
 from ..vmm import reclaim
 from .admission import meminfo_mib
 from .states import State
@@ -88,10 +89,7 @@ class MemoryReclaimer:
             self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -144,3 +144,7 @@ class SandboxTable:
         self.lost[sandbox_id] = reason
         while len(self.lost) > LOST_KEPT:
             self.lost.pop(next(iter(self.lost)))
+
+    def clear_lost(self, sandbox_id: str) -> None:
+        """The sandbox lives again (taken over here): lookups no longer say it was lost."""
+        self.lost.pop(sandbox_id, None)

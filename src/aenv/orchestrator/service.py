@@ -60,7 +60,7 @@ class Orchestrator:
         self.events = engine.events
         self.table = table = SandboxTable(store, self.events)
         self.sandboxes = table.sandboxes
-        networks = engine.networks
+        networks, standbys = engine.networks, engine.standbys
         self.reclaimer = MemoryReclaimer(
             table.sandboxes.values, settings.reclaim_interval, settings.reclaim_growth_mib,
             settings.reclaim_pressure_mib,
@@ -70,8 +70,7 @@ class Orchestrator:
             disk_reserve_mib=settings.disk_reserve_mib,
             memory_budget_mib=int(meminfo_mib() * settings.memory_overcommit),
             committed_mib=lambda: (
-                sum(s.record.memory_mb for s in table.sandboxes.values() if s.vm)
-                + engine.checkpoints.standbys.memory_mib()
+                sum(s.record.memory_mb for s in table.sandboxes.values() if s.vm) + standbys.memory_mib()
             ),
             free_slots=lambda: None if networks is None else networks.available,
             held_mib=self.reclaimer.held_mib,

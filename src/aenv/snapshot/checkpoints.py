@@ -51,7 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..repository.manifest import SnapshotManifest, utc_now
-from ..runtime.layers import new_layer_id
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore, new_layer_id
 from ..vmm import devstate, migration
 from . import memory
 from .clones import Clones
@@ -104,10 +105,13 @@ def _new_id() -> str:
 class Checkpoints:
     """The checkpoints of this node's sandboxes, and resets to them."""
 
-    def __init__(self, host: Host, clones: Clones, *, standby: bool = False):
+    def __init__(
+        self, host: Host, runtime: RuntimeResolver, layers: LayerStore, clones: Clones, standbys: Standbys
+    ):
         self.host = host
+        self.runtime, self.layers = runtime, layers
         self.clones = clones
-        self.standbys = Standbys(host, clones, enabled=standby)
+        self.standbys = standbys
 
     def _root(self, sandbox_id: str) -> Path:
         return self.host.workdir(sandbox_id) / CHECKPOINTS_DIR
@@ -157,7 +161,7 @@ class Checkpoints:
         """Capture the running sandbox (stopped only meanwhile, as a snapshot's capture)."""
         existing = self.list(sandbox.sandbox_id)
         self._check_name(name, existing)
-        state, layers = sandbox.state, self.host.layers
+        state, layers = sandbox.state, self.layers
         checkpoint_id = _new_id()
         directory = self._root(sandbox.sandbox_id) / checkpoint_id
         directory.mkdir(parents=True)
@@ -236,7 +240,7 @@ class Checkpoints:
         old = sandbox.state
         standby = await self.standbys.take(old.sandbox_id, checkpoint.checkpoint_id, old.policy)
         sealed = checkpoint.disk_layers[-1]
-        top = standby.top_layer if standby is not None else await self.host.layers.create_upper(sealed)
+        top = standby.top_layer if standby is not None else await self.layers.create_upper(sealed)
         state = type(old)(**{**asdict(old), "disk_layers": [*checkpoint.disk_layers, top]})
         state.checkpoint, state.network_name = checkpoint.checkpoint_id, f"aenv-{old.sandbox_id}"
         try:
@@ -245,7 +249,7 @@ class Checkpoints:
             else:
                 fresh = await self._restore(checkpoint, state, sandbox.manifest, init)
         except BaseException:
-            self.host.layers.remove(top)
+            self.layers.remove(top)
             old.save(self.host.workdir(old.sandbox_id))
             raise
         self.standbys.retire(sandbox.guest, old.disk_layers[-1])
@@ -257,7 +261,7 @@ class Checkpoints:
         """The checkpoint restored into a new QEMU now, on `state`'s disk."""
         devices, delta = self.files(state.sandbox_id, checkpoint)
         stream = self._root(state.sandbox_id) / checkpoint.checkpoint_id / "reset.vmstate"
-        prefix = self.host.runtime.vmstate_prefix(manifest)
+        prefix = self.runtime.vmstate_prefix(manifest)
         stream.write_bytes(devstate.splice(prefix, devices.read_bytes()))
         try:
             return await self.clones.launch(state, manifest, [delta], stream, init)

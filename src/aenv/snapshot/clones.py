@@ -20,6 +20,8 @@ from pathlib import Path
 from ..agent.envd.system_api import CLOCK_TOLERANCE_NS
 from ..network.netns import SandboxNetwork
 from ..repository.manifest import SnapshotManifest
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
 from ..vmm.launcher import GuestVM, boot_guest, guest_machine
@@ -37,8 +39,10 @@ CLOCK_FIX_ATTEMPTS = 5
 class Clones:
     """Restores guests from snapshots on this node and captures their state."""
 
-    def __init__(self, host: Host):
+    def __init__(self, host: Host, runtime: RuntimeResolver, layers: LayerStore):
         self.host = host
+        self.runtime = runtime
+        self.layers = layers
         self._clock_fixes: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
@@ -47,9 +51,14 @@ class Clones:
             task.cancel()
         await asyncio.gather(*self._clock_fixes, return_exceptions=True)
 
+    async def new_top_layer(self, manifest: SnapshotManifest) -> str:
+        """A writable disk layer over the snapshot's chain, its files made local first."""
+        await asyncio.to_thread(self.runtime.prepare, manifest)
+        return await self.layers.create_upper_over(self.runtime.top_layer(manifest))
+
     def config(self, manifest: SnapshotManifest, top_layer: str) -> MachineConfig:
         """The machine of a sandbox restored from `manifest` whose disk chain ends in `top_layer`."""
-        runtime = self.host.runtime
+        runtime = self.runtime
         return guest_machine(
             runtime.boot_files(manifest.machine), runtime.layer_path(top_layer), accel=self.host.accel,
             vcpus=manifest.machine.vcpus, memory_mib=manifest.machine.memory_mib,
@@ -86,7 +95,7 @@ class Clones:
         """Write the changed pages into the waiting QEMU, load the device state, let the guest run
         (unless `run` is off: `migration.load`)."""
         if deltas:
-            start, end = memory.find_mapping(vm.pid, self.host.runtime.memory_image(manifest))
+            start, end = memory.find_mapping(vm.pid, self.runtime.memory_image(manifest))
             await asyncio.to_thread(memory.apply_deltas, vm.pid, start, end, deltas)
         try:
             await migration.load(vm, stream, self.host.incoming_timeout, run=run)
@@ -118,7 +127,7 @@ class Clones:
             network.destroy()
             raise
         sandbox = await self.identify(state, manifest, vm, network, init)
-        self.host.runtime.restored(manifest)
+        self.runtime.restored(manifest)
         return sandbox
 
     async def boot(
@@ -233,5 +242,5 @@ class Clones:
     ) -> memory.DeltaInfo:
         """With the guest stopped: the pages it changed since `manifest`'s image, as a delta layer
         (`memory.capture_delta`, which `stop` ends early)."""
-        start, end = memory.find_mapping(pid, self.host.runtime.memory_image(manifest))
+        start, end = memory.find_mapping(pid, self.runtime.memory_image(manifest))
         return await asyncio.to_thread(memory.capture_delta, pid, start, end, delta, sync=sync, stop=stop)

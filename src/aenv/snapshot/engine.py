@@ -11,9 +11,9 @@ Each concern lives in its own module and this class only wires them together and
 public surface callers use: `templates` (template VMs: the node's own template, and the VM a
 user build runs its steps in, `aenv.template.stages`), `lifecycle` (start, resume, snapshot, fork,
 kill), `pausing` (pause and parked processes), `recovery` (adoption after a restart, leftovers,
-garbage), `warm` (warm VMs for `warm_pool`), `clones` (restore and capture), over one `Host`
-(repository, runtime resolver, layers, accelerator, networks, directories). QMP sequences are
-`aenv.vmm.migration`'s.
+garbage), `warm` (warm VMs for `warm_pool`), `clones` (restore and capture). Each part receives
+what it uses of the repository, the runtime resolver, the disk layers, the stop deadline and the
+`Host` (accelerator, networks, directories). QMP sequences are `aenv.vmm.migration`'s.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ from ..vmm.accel import Accelerator
 from .checkpoints import Checkpoint, Checkpoints
 from .clones import Clones
 from .handover import Describe, Handover
-from .host import Host
+from .host import Host, StopDeadline
 from .lifecycle import Lifecycle
 from .model import EngineError, GarbageReport, GuestInit, SandboxState, SandboxVM
 from .parking import ParkingPolicy
 from .pausing import Pauses
 from .pending import PendingSnapshots
 from .recovery import Recovery, kill_unclaimed_vms
+from .standby import Standbys
 from .templates import TemplateBuilder
 from .warm import WarmVMs
 from .warm_pool import WarmPool
@@ -91,36 +92,41 @@ class SnapshotEngine:
             if not isinstance(repository, SnapshotRepository):
                 raise TypeError("a repository that is not a local directory needs a runtime resolver")
             runtime = LocalRuntime(repository, self.layers, self.runtime_dir)
-        self.host = Host(
-            repository, runtime, self.layers, accel, self.sandboxes_dir, self.runtime_dir,
-            networks=networks, incoming_timeout=incoming_timeout,
-        )  # fmt: skip
+        self.host = host = Host(
+            accel, self.sandboxes_dir, self.runtime_dir, networks=networks, incoming_timeout=incoming_timeout
+        )
+        self.stop = stop = StopDeadline()
         self.repository, self.runtime, self.artifacts, self.accel = repository, runtime, artifacts, accel
         self.networks = networks
         self.events = events = events or EventBus()
-        self.clones = clones = Clones(self.host)
-        self.templates = TemplateBuilder(self.host, artifacts)
-        self.warm = WarmVMs(self.host, clones)
+        layers = self.layers
+        self.clones = clones = Clones(host, runtime, layers)
+        self.templates = TemplateBuilder(host, repository, runtime, layers, artifacts)
+        self.warm = WarmVMs(host, repository, runtime, layers, stop, clones)
         self.pool = WarmPool(self.warm, events=events, size=warm_size)
         # Off unless asked for: without it, every pause ends the QEMU process at once.
-        self.pauses = Pauses(self.host, clones, parking or ParkingPolicy(max_seconds=0), events)
+        self.pauses = Pauses(host, clones, parking or ParkingPolicy(max_seconds=0), events)
         self.parked = self.pauses.lot
-        self.checkpoints = Checkpoints(self.host, clones, standby=reset_standby)
-        self.handover = Handover(self.host, durable_pauses, events, describe, self.checkpoints.carried)
-        self.pending = PendingSnapshots(self.host, repository.pending_dir(), events)
-        self.lifecycle = Lifecycle(
-            self.host, clones, self.warm, self.pool, self.pauses, self.handover, self.pending
+        self.standbys = Standbys(host, runtime, layers, clones, enabled=reset_standby)
+        self.checkpoints = Checkpoints(host, runtime, layers, clones, self.standbys)
+        self.handover = Handover(
+            host, repository, runtime, stop, durable_pauses, events, describe, self.checkpoints.carried
         )
-        self.recovery = Recovery(self.host, clones, self.warm.directory)
+        self.pending = PendingSnapshots(repository, runtime, stop, repository.pending_dir(), events)
+        self.lifecycle = Lifecycle(
+            host, repository, runtime, layers, stop, clones, self.warm, self.pool, self.pauses, self.handover,
+            self.pending,
+        )  # fmt: skip
+        self.recovery = Recovery(host, repository, runtime, layers, clones, self.warm.directory)
 
     def stop_within(self, seconds: float) -> None:
         """The node stops: from now on its waits for the store end `seconds` from now (`StopDeadline`)."""
-        self.host.stop.start(seconds)
+        self.stop.start(seconds)
 
     @property
     def abandoned(self) -> int:
         """Store operations a stop gave up waiting for (their threads may still run)."""
-        return self.host.stop.abandoned
+        return self.stop.abandoned
 
     async def close(self) -> None:
         """End the warm VMs and parked processes; running sandboxes are left to the caller.
@@ -128,7 +134,7 @@ class SnapshotEngine:
         Pauses after this end the QEMU process at once.
         """
         await self.parked.close()
-        await self.checkpoints.standbys.settle()
+        await self.standbys.settle()
         await self.pool.close()
         await self.handover.close()
         await self.pending.close()
@@ -173,7 +179,7 @@ class SnapshotEngine:
         return await self.lifecycle.start(snapshot, sandbox_id, init, policy)
 
     async def pause(self, sandbox: SandboxVM, *, memory: bool = True) -> SandboxState:
-        self.checkpoints.standbys.drop(sandbox.sandbox_id)  # made again once it runs (`Captures`)
+        self.standbys.drop(sandbox.sandbox_id)  # made again once it runs (`Captures`)
         return await self.pauses.pause(sandbox, memory=memory)
 
     async def drop_memory(self, sandbox_id: str) -> None:
@@ -212,7 +218,7 @@ class SnapshotEngine:
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         ended = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
-        await self.checkpoints.standbys.settle(ended.sandbox_id)  # its standby, and a VM a reset replaced
+        await self.standbys.settle(ended.sandbox_id)  # its standby, and a VM a reset replaced
         await self.lifecycle.kill(sandbox)
         try:
             await asyncio.to_thread(self.recovery.remove_sealed_layers, ended, self.pending.layers())
@@ -251,7 +257,7 @@ class SnapshotEngine:
         return self.recovery.cleanup_warm_leftovers()
 
     def kill_unclaimed_vms(self, claimed: set[int]) -> list[int]:
-        return kill_unclaimed_vms(self.host.layers, claimed)
+        return kill_unclaimed_vms(self.layers, claimed)
 
     def collect_garbage(self, *, grace_seconds: float | None = None) -> GarbageReport:
         return self.recovery.collect_garbage(grace_seconds=grace_seconds, keep=self.pending.layers())

@@ -38,8 +38,10 @@ from pathlib import Path
 
 from ..events import EventBus, PauseDurable, PauseSaved
 from ..network.egress import EgressPolicy
+from ..repository.contract import Repository
 from ..repository.manifest import SnapshotManifest, new_snapshot_id, utc_now
-from .host import Host
+from ..runtime.contract import RuntimeResolver
+from .host import Host, StopDeadline
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 
 log = logging.getLogger(__name__)
@@ -102,12 +104,16 @@ class Handover:
     def __init__(
         self,
         host: Host,
+        repository: Repository,
+        runtime: RuntimeResolver,
+        stop: StopDeadline,
         enabled: bool,
         events: EventBus | None = None,
         describe: Describe | None = None,
         carried: Carried | None = None,
     ):
         self.host = host
+        self.repository, self.runtime, self.stop = repository, runtime, stop
         self.enabled = enabled
         # The sandbox's description carried by its pause snapshot (the node's record of it).
         self.describe: Describe = describe or (lambda sandbox_id: {})
@@ -120,7 +126,7 @@ class Handover:
 
     @property
     def node(self) -> str:
-        return self.host.repository.node  # type: ignore[attr-defined,no-any-return]
+        return self.repository.node  # type: ignore[attr-defined,no-any-return]
 
     # -- this node's side: commit after the pause, claim before a resume or kill ---------------
 
@@ -147,7 +153,7 @@ class Handover:
         """Let running uploads finish, until the stop deadline (`StopDeadline.settle`): a node stopping
         with its store reachable leaves its pauses durable; the others stay on its disk and are
         committed at its next start (`recover`)."""
-        if left := await self.host.stop.settle(u.task for u in list(self._uploads.values())):
+        if left := await self.stop.settle(u.task for u in list(self._uploads.values())):
             log.warning("%d pauses not committed by the stop deadline: committed at the next start", left)
 
     def recover(self, state: SandboxState) -> None:
@@ -155,7 +161,7 @@ class Handover:
         if not (self.enabled and state.paused and state.durable is None and state.pid is None):
             return
         try:
-            origin = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+            origin = self.repository.leased(state.snapshot_id, state.sandbox_id)
         except Exception as exc:  # the pause stays on this node, resumable here as before
             log.error("cannot commit the pause of sandbox %s: %s", state.sandbox_id, exc)
             return
@@ -201,7 +207,7 @@ class Handover:
     ) -> SnapshotManifest:
         """Upload the pause's files and commit its manifest, unless superseded (blocking: run in
         a worker thread)."""
-        repository, state = self.host.repository, upload.state
+        repository, state = self.repository, upload.state
         device_state, deltas, sizes = origin.device_state, (), {}
         if state.disk_only or state.delta is None or state.devices is None:
             metadata = {**metadata, DISK_ONLY: "true"}
@@ -211,7 +217,7 @@ class Handover:
             device_state, deltas = repository.put_blob(state.devices), (delta,)
             sizes = {delta: Path(state.delta).stat().st_size}
         upload.check()
-        layers = self.host.runtime.publish_layers(state.disk_layers)
+        layers = self.runtime.publish_layers(state.disk_layers)
         manifest = SnapshotManifest(
             id=new_snapshot_id(), kind="snapshot", alias=pause_alias(state.sandbox_id), created_at=utc_now(),
             source={"sandbox_id": state.sandbox_id, "snapshot_id": origin.id}, machine=origin.machine,
@@ -237,7 +243,7 @@ class Handover:
             state.durable = self.host.load_state(state.sandbox_id).durable
         if state.durable is None:
             return None
-        winner = await asyncio.to_thread(self.host.repository.claim, state.durable)
+        winner = await asyncio.to_thread(self.repository.claim, state.durable)
         if winner != self.node:
             raise SandboxMoved(state.sandbox_id, winner)
         return state.durable
@@ -245,7 +251,7 @@ class Handover:
     async def unclaim(self, pause: str | None) -> None:
         """A resume here failed: the paused sandbox may be taken over again."""
         if pause is not None:
-            await asyncio.to_thread(self.host.repository.unclaim, pause)
+            await asyncio.to_thread(self.repository.unclaim, pause)
 
     async def retire(self, state: SandboxState, pause: str | None) -> None:
         """The sandbox resumed or ended here: its pause snapshot (claimed by this node) goes."""
@@ -260,12 +266,12 @@ class Handover:
         """The node that took the paused sandbox over, if another one did (blocking)."""
         if state.durable is None:
             return None
-        winner = self.host.repository.claimant(state.durable)
+        winner = self.repository.claimant(state.durable)
         return winner if winner not in (None, self.node) else None
 
     def _delete(self, snapshot_id: str) -> None:
         try:
-            self.host.repository.delete(snapshot_id, defer=True)
+            self.repository.delete(snapshot_id, defer=True)
         except Exception as exc:  # gone already, or the store is away: gc finds it unclaimed later
             log.warning("deleting pause snapshot %s failed: %s", snapshot_id, exc)
 
@@ -273,7 +279,7 @@ class Handover:
 
     def find(self, sandbox_id: str) -> SnapshotManifest:
         """The committed pause of a sandbox paused on any node (`SnapshotNotFound` if none)."""
-        return self.host.repository.get(pause_alias(sandbox_id))
+        return self.repository.get(pause_alias(sandbox_id))
 
     async def take_over(
         self, start: Start, pause: SnapshotManifest, init: GuestInit, policy: EgressPolicy
@@ -283,14 +289,14 @@ class Handover:
         Raises `PauseReclaimed` if the node it was paused on holds the claim, `SandboxMoved` if
         another node does."""
         sandbox_id = pause.metadata[PAUSE_MARK]
-        winner = await asyncio.to_thread(self.host.repository.claim, pause.id)
+        winner = await asyncio.to_thread(self.repository.claim, pause.id)
         if winner != self.node:
             gone = PauseReclaimed if winner == pause.metadata.get(PAUSED_ON) else SandboxMoved
             raise gone(sandbox_id, winner)
         try:
             sandbox = await start(pause.id, sandbox_id, init, policy)
         except BaseException:
-            await asyncio.to_thread(self.host.repository.unclaim, pause.id)
+            await asyncio.to_thread(self.repository.unclaim, pause.id)
             raise
         await asyncio.to_thread(self._delete, pause.id)  # hidden now, removed when the sandbox ends
         return sandbox
@@ -305,12 +311,12 @@ class Handover:
         the pausing node's own kill still removes the pause when it is back.
         """
         pause = await asyncio.to_thread(self.find, sandbox_id)
-        winner = await asyncio.to_thread(self.host.repository.claim, pause.id)
+        winner = await asyncio.to_thread(self.repository.claim, pause.id)
         if winner != self.node:
             raise SandboxMoved(sandbox_id, winner)
         try:
-            await asyncio.to_thread(self.host.repository.delete, pause.id, defer=True)
+            await asyncio.to_thread(self.repository.delete, pause.id, defer=True)
         except BaseException:
-            await asyncio.to_thread(self.host.repository.unclaim, pause.id)
+            await asyncio.to_thread(self.repository.unclaim, pause.id)
             raise
         return pause.id

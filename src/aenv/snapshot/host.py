@@ -1,9 +1,9 @@
-"""What every part of the snapshot engine runs on: this node's storage, machine and directories.
+"""The machine every part of the snapshot engine runs sandboxes on, and its directories.
 
-Template building, the sandbox lifecycle and recovery each get one `Host` instead of reaching
-into each other: the repository (durable truth), the runtime resolver (local files for QEMU),
-the node's disk layers, accelerator and network pool, and the `sandboxes/` directory where
-every sandbox keeps its saved state and serial log.
+`Host` is this node's accelerator, QEMU build and network pool (what a restore checks a snapshot
+against and takes a network from), and the `sandboxes/` directory where every sandbox keeps its
+saved state and serial log. The repository (durable truth), the runtime resolver (local files for
+QEMU) and the disk layers are not the host's: each part of the engine receives those it uses.
 
 A stopping node waits for its object store only until its stop deadline (`StopDeadline`): with the
 store unreachable, boto's retries made one stop outlast its supervisor's 30 s (issue 32), whose
@@ -26,8 +26,6 @@ from ..network.netns import SandboxNetwork
 from ..network.pool import NetworkPool
 from ..repository.contract import Repository
 from ..repository.manifest import MachineShape, SnapshotManifest
-from ..runtime.contract import RuntimeResolver
-from ..runtime.layers import LayerStore
 from ..vmm import serial
 from ..vmm.accel import Accelerator
 from ..vmm.machine import MACHINE_TYPE, QEMU_BINARY
@@ -75,18 +73,14 @@ class StopDeadline:
 
 @dataclass
 class Host:
-    """This node's side of every snapshot operation."""
+    """This node's machine and sandboxes directory."""
 
-    repository: Repository
-    runtime: RuntimeResolver
-    layers: LayerStore
     accel: Accelerator
     sandboxes_dir: Path
     runtime_dir: Path
     networks: NetworkPool | None = None
     incoming_timeout: float = 60.0
     _qemu_version: str | None = field(default=None, init=False, repr=False)
-    stop: StopDeadline = field(default_factory=lambda: StopDeadline(), init=False)
 
     # -- machine identity ------------------------------------------------------------------
 
@@ -119,11 +113,6 @@ class Host:
     async def check_runnable(self, manifest: SnapshotManifest) -> None:
         if (problem := await self.incompatibility(manifest)) is not None:
             raise EngineError(f"snapshot {manifest.id} cannot run on this node: {problem}")
-
-    async def new_top_layer(self, manifest: SnapshotManifest) -> str:
-        """A writable disk layer over the snapshot's chain, its files made local first."""
-        await asyncio.to_thread(self.runtime.prepare, manifest)
-        return await self.layers.create_upper_over(self.runtime.top_layer(manifest))
 
     async def network(self, name: str, policy: EgressPolicy | None) -> SandboxNetwork:
         """A network from the node's pool (with egress), or a private one without any way out."""

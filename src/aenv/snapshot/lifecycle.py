@@ -21,15 +21,17 @@ from pathlib import Path
 
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
+from ..repository.contract import Repository
 from ..repository.errors import AliasConflict, SnapshotNotFound
 from ..repository.manifest import SnapshotManifest, new_snapshot_id, utc_now
 from ..repository.names import check_alias
-from ..runtime.layers import new_layer_id
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore, new_layer_id
 from ..vmm import devstate, migration
 from .checkpoints import Checkpoint
 from .clones import Clones
 from .handover import Handover, SandboxMoved
-from .host import Host
+from .host import Host, StopDeadline
 from .model import DISK_ONLY, EngineError, GuestInit, SandboxState, SandboxVM
 from .pausing import Pauses, write_out_files
 from .pending import CAPTURE, DELTA, DEVICES, PendingSnapshots
@@ -47,6 +49,10 @@ class Lifecycle:
     def __init__(
         self,
         host: Host,
+        repository: Repository,
+        runtime: RuntimeResolver,
+        layers: LayerStore,
+        stop: StopDeadline,
         clones: Clones,
         warm: WarmVMs,
         pool: WarmPool,
@@ -55,6 +61,7 @@ class Lifecycle:
         pending: PendingSnapshots,
     ):
         self.host = host
+        self.repository, self.runtime, self.layers, self.stop = repository, runtime, layers, stop
         self.pending = pending
         self.handover = handover
         self.clones = clones
@@ -67,7 +74,7 @@ class Lifecycle:
     ) -> SandboxVM:
         """Create a sandbox from a template or snapshot (id or alias), from the warm pool if it can."""
         await self.pending.settle(snapshot)  # one of this node's snapshots, being committed
-        manifest = self.host.repository.get(snapshot)
+        manifest = self.repository.get(snapshot)
         warm = self.pool.take(manifest.id)
         # The sandbox's lease pins the snapshot against deletion. A warm VM's lease pins it already,
         # so then it is handed on to the sandbox while the guest takes its `/init` (if it needs
@@ -79,7 +86,7 @@ class Lifecycle:
             self.pool.refill(manifest.id)
 
     async def _lease(self, snapshot_id: str, sandbox_id: str, warm: WarmVM | None) -> None:
-        repository = self.host.repository
+        repository = self.repository
         if warm is None:
             await asyncio.to_thread(repository.acquire, snapshot_id, sandbox_id)
         else:
@@ -90,7 +97,7 @@ class Lifecycle:
         with contextlib.suppress(Exception):
             await leasing
         for holder in holders:
-            await asyncio.to_thread(self.host.repository.release, snapshot_id, holder)
+            await asyncio.to_thread(self.repository.release, snapshot_id, holder)
 
     async def _start(
         self,
@@ -107,7 +114,7 @@ class Lifecycle:
             if warm is None:
                 await leasing  # nothing else pins the snapshot
             await host.check_runnable(manifest)
-            top = warm.top_layer if warm else await host.new_top_layer(manifest)
+            top = warm.top_layer if warm else await self.clones.new_top_layer(manifest)
         except BaseException:
             if warm is not None:
                 await self.warm.discard(warm)
@@ -131,11 +138,11 @@ class Lifecycle:
                     await sandbox.guest.destroy(keep_files=True)
                     raise
                 return sandbox
-            runtime = host.runtime
+            runtime = self.runtime
             stream = runtime.template_stream(manifest)
             return await self.clones.launch(state, manifest, runtime.memory_deltas(manifest), stream, init)
         except BaseException:
-            host.layers.remove(top)
+            self.layers.remove(top)
             await self._unlease(leasing, manifest.id, holders)
             shutil.rmtree(host.workdir(sandbox_id), ignore_errors=True)
             raise
@@ -166,7 +173,7 @@ class Lifecycle:
         return sandbox
 
     async def _resume(self, state: SandboxState, init: GuestInit, uploading: bool) -> SandboxVM:
-        parked = self.pauses.lot.take(state.sandbox_id)
+        parked = self.pauses.unpark(state.sandbox_id)
         if parked is not None:
             if uploading:
                 await parked.capture  # done before the upload began; the guest is stopped
@@ -178,11 +185,11 @@ class Lifecycle:
             return await self.reboot(state, init)
         if not state.paused or state.delta is None or state.devices is None:
             raise EngineError(f"sandbox {state.sandbox_id} is not paused")
-        manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
         await self.host.check_runnable(manifest)
-        await asyncio.to_thread(self.host.runtime.prepare, manifest)
+        await asyncio.to_thread(self.runtime.prepare, manifest)
         stream = self.host.workdir(state.sandbox_id) / "resume.vmstate"
-        prefix = self.host.runtime.vmstate_prefix(manifest)
+        prefix = self.runtime.vmstate_prefix(manifest)
         stream.write_bytes(devstate.splice(prefix, Path(state.devices).read_bytes()))
         return await self.clones.launch(state, manifest, [Path(state.delta)], stream, init)
 
@@ -193,7 +200,7 @@ class Lifecycle:
         `kept`: the sandbox's QEMU process, stopped but kept (parked), which writes the new layer
         from now on; else the layer is made for the QEMU the resume starts.
         """
-        layers, below = self.host.layers, state.disk_layers[-1]
+        layers, below = self.layers, state.disk_layers[-1]
         if kept is None:
             top = await layers.create_upper(below)
         else:
@@ -206,7 +213,7 @@ class Lifecycle:
 
     async def reboot(self, state: SandboxState, init: GuestInit) -> SandboxVM:
         """Boot a sandbox paused with its disk only: a new guest on the same disk."""
-        manifest = self.host.repository.leased(state.snapshot_id, state.sandbox_id)
+        manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
         await self.host.check_runnable(manifest)
         try:
             sandbox = await self._boot(state, manifest, init)
@@ -237,9 +244,8 @@ class Lifecycle:
 
     async def kill(self, sandbox: SandboxVM | SandboxState) -> None:
         """End a running or paused sandbox and free everything it owns."""
-        host = self.host
         state = sandbox.state if isinstance(sandbox, SandboxVM) else sandbox
-        parked = self.pauses.lot.take(state.sandbox_id)
+        parked = self.pauses.unpark(state.sandbox_id)
         if parked is not None:
             await parked.end_capture()  # its pause is not needed on disk any more
             sandbox, state = parked.sandbox, parked.sandbox.state
@@ -250,14 +256,14 @@ class Lifecycle:
         if isinstance(sandbox, SandboxVM):
             await sandbox.guest.destroy(keep_files=True)
         elif not state.paused:  # left running by a crashed node: its VM and namespace are strays
-            kill_stray(host.layers, state.pid, state.disk_layers)
+            kill_stray(self.layers, state.pid, state.disk_layers)
             SandboxNetwork(state.network_name).destroy()
         # A paused sandbox has no network: the name it had may belong to another sandbox by now.
         # In a thread, as the directory: under 256 rollouts, unlinking tops on the event loop took
         # 1.9 % of it (py-spy, bench `rollout`).
-        await asyncio.to_thread(host.layers.remove, state.disk_layers[-1])
-        await asyncio.to_thread(shutil.rmtree, host.workdir(state.sandbox_id), ignore_errors=True)
-        await host.stop.release(host.repository, state.snapshot_id, state.sandbox_id)
+        await asyncio.to_thread(self.layers.remove, state.disk_layers[-1])
+        await asyncio.to_thread(shutil.rmtree, self.host.workdir(state.sandbox_id), ignore_errors=True)
+        await self.stop.release(self.repository, state.snapshot_id, state.sandbox_id)
         await self.handover.retire(state, pause)
 
     async def set_policy(self, sandbox: SandboxVM, policy: EgressPolicy) -> None:
@@ -287,7 +293,6 @@ class Lifecycle:
         was. One whose background commit fails is rolled back by `pending` (its files), and
         whoever serializes the sandbox's operations unseals its layer (`SnapshotFailed`).
         """
-        host = self.host
         self._check_alias_free(alias)
         snapshot_id = new_snapshot_id()
         directory = self.pending.directory(snapshot_id)
@@ -301,15 +306,15 @@ class Lifecycle:
             async with migration.stopped(sandbox.vm, resume=True):
                 if memory:  # neither hashed nor flushed with the guest stopped: `pending` does both
                     await self.clones.capture(sandbox, directory, CAPTURE, sync=False)
-                await migration.seal_disk(sandbox.vm, sandbox.root_node, host.layers.path(new_top), new_node)
+                await migration.seal_disk(sandbox.vm, sandbox.root_node, self.layers.path(new_top), new_node)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
         sandbox.root_node = new_node
         state.disk_layers.append(new_top)
         try:
-            host.layers.seal(sealed)
-            state.save(host.workdir(state.sandbox_id))
+            self.layers.seal(sealed)
+            state.save(self.host.workdir(state.sandbox_id))
             chain = state.disk_layers[:-1]
             draft = self._snapshot_manifest(snapshot_id, sandbox, memory, chain, alias, metadata)
             if not wait:  # answered before its commit: the other nodes learn it is coming
@@ -320,9 +325,9 @@ class Lifecycle:
             await self.unseal(sandbox, sealed)
             raise
         if not wait:
-            return self.pending.get(snapshot_id) or host.repository.get(snapshot_id)
+            return self.pending.get(snapshot_id) or self.repository.get(snapshot_id)
         await self.pending.committed(snapshot_id)
-        return host.repository.get(snapshot_id)
+        return self.repository.get(snapshot_id)
 
     async def unseal(self, sandbox: SandboxVM, layer: str) -> bool:
         """Undo the seal of disk layer `layer` by a snapshot that failed: what the sandbox wrote
@@ -331,7 +336,7 @@ class Lifecycle:
         (else a later snapshot or pause holds it, and it stays); returns whether it was undone.
         The caller holds the sandbox still (no other operation on it meanwhile).
         """
-        state, layers = sandbox.state, self.host.layers
+        state, layers = sandbox.state, self.layers
         if state.paused or state.disk_layers[-2:-1] != [layer] or not sandbox.vm.alive():
             return False
         if layer in state.kept_layers:  # a checkpoint's (a promoted checkpoint failed): it stays
@@ -377,7 +382,7 @@ class Lifecycle:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        return self.pending.get(snapshot_id) or self.host.repository.get(snapshot_id)
+        return self.pending.get(snapshot_id) or self.repository.get(snapshot_id)
 
     def _check_alias_free(self, alias: str | None) -> None:
         """A snapshot answered before its commit must not fail it later for its alias: check now."""
@@ -387,7 +392,7 @@ class Lifecycle:
         if alias in self.pending.aliases():
             raise AliasConflict(f"alias {alias!r} already points to a snapshot being committed")
         with contextlib.suppress(SnapshotNotFound):
-            target = self.host.repository.resolve(alias)
+            target = self.repository.resolve(alias)
             raise AliasConflict(f"alias {alias!r} already points to {target!r}")
 
     def _snapshot_manifest(
@@ -438,13 +443,13 @@ class Lifecycle:
             *(self.start(manifest.id, child_id, init, policy) for child_id, init in children),
             return_exceptions=True,
         )
-        self.host.repository.delete(manifest.id, defer=True)
+        self.repository.delete(manifest.id, defer=True)
         started = [r for r in results if isinstance(r, SandboxVM)]
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             for child in started:
                 await self.kill(child)
-            if not self.host.repository.is_live(manifest.id):  # deleted with its last child
+            if not self.repository.is_live(manifest.id):  # deleted with its last child
                 await self.unseal(sandbox, sealed)
             raise EngineError(f"fork failed: {failures[0]}") from failures[0]
         return started

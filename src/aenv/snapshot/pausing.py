@@ -103,6 +103,10 @@ class Pauses:
         state.save(self.host.workdir(state.sandbox_id))
         _unlink(previous)
 
+    def unpark(self, sandbox_id: str) -> ParkedVM | None:
+        """The sandbox's kept process, taken from the lot (a resume or kill continues or ends it)."""
+        return self.lot.take(sandbox_id)
+
     async def drop_memory(self, sandbox_id: str) -> None:
         """Make a paused sandbox's next resume boot from its disk (E2B's resume `memory: false`)."""
         parked = self.lot.take(sandbox_id)

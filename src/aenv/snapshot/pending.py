@@ -48,10 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..events import EventBus, SnapshotFailed
+from ..repository.contract import Repository
 from ..repository.errors import SnapshotNotFound
 from ..repository.files import file_digest
 from ..repository.manifest import SnapshotManifest
-from .host import Host
+from ..runtime.contract import RuntimeResolver
+from .host import StopDeadline
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,15 @@ class _Entry:
 class PendingSnapshots:
     """This node's snapshots between their capture and their commit."""
 
-    def __init__(self, host: Host, root: Path, events: EventBus | None = None):
-        self.host = host
+    def __init__(
+        self,
+        repository: Repository,
+        runtime: RuntimeResolver,
+        stop: StopDeadline,
+        root: Path,
+        events: EventBus | None = None,
+    ):
+        self.repository, self.runtime, self.stop = repository, runtime, stop
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = {}
@@ -117,7 +126,7 @@ class PendingSnapshots:
     async def announce(self, manifest: SnapshotManifest) -> None:
         """Before the snapshot is answered: mark it pending in the repository, so the nodes
         sharing it wait for its commit (`elsewhere`) instead of answering 404."""
-        await asyncio.to_thread(self.host.repository.mark_pending, manifest.id, manifest.alias)
+        await asyncio.to_thread(self.repository.mark_pending, manifest.id, manifest.alias)
 
     async def _run(self, entry: _Entry) -> None:
         try:
@@ -136,7 +145,7 @@ class PendingSnapshots:
 
     def _settle_mark(self, snapshot_id: str, alias: str | None, failure: str | None) -> None:
         """The commit ended: its pending mark goes, or says why it failed (blocking)."""
-        repository = self.host.repository
+        repository = self.repository
         try:
             if failure is None:
                 repository.unmark_pending(snapshot_id, alias)
@@ -189,11 +198,11 @@ class PendingSnapshots:
             verify = False  # hashed just now
         else:
             verify = True  # written by a previous node process: check before trusting
-        repository, manifest, directory = self.host.repository, entry.manifest, entry.directory
+        repository, manifest, directory = self.repository, entry.manifest, entry.directory
         if manifest.memory_deltas:
             repository.put_blob(directory / DELTA, digest=manifest.memory_deltas[0], move=True, verify=verify)
             repository.put_blob(directory / DEVICES, digest=manifest.device_state, move=True, verify=verify)
-        layers = self.host.runtime.publish_layers(list(manifest.disk_layers))
+        layers = self.runtime.publish_layers(list(manifest.disk_layers))
         with entry.lock:
             if entry.cancelled:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -228,7 +237,7 @@ class PendingSnapshots:
         seconds (polling, the interval doubling). None if no node is committing it (no mark, or
         a stale one, removed now); `SnapshotNotFound` saying why if its commit failed;
         `SnapshotPending` if it is still being committed after `wait`."""
-        repository = self.host.repository
+        repository = self.repository
         deadline, delay = time.monotonic() + wait, POLL_FIRST
         while True:
             mark = await asyncio.to_thread(repository.pending_mark, id_or_alias)  # first: then get
@@ -276,7 +285,7 @@ class PendingSnapshots:
     async def close(self) -> None:
         """Let the commits in progress finish, until the stop deadline (`StopDeadline.settle`): those
         left are finished at the next start (`recover`) if their pages were flushed."""
-        if left := await self.host.stop.settle(e.task for e in list(self._entries.values())):
+        if left := await self.stop.settle(e.task for e in list(self._entries.values())):
             log.warning("%d snapshots not committed by the stop deadline: left to the next start", left)
 
     def recover(self) -> int:
@@ -289,7 +298,7 @@ class PendingSnapshots:
                 shutil.rmtree(directory, ignore_errors=True)
                 self._settle_mark(directory.name, None, None)
                 continue
-            if self.host.repository.is_live(manifest.id):
+            if self.repository.is_live(manifest.id):
                 shutil.rmtree(directory, ignore_errors=True)
                 self._settle_mark(manifest.id, manifest.alias, None)
                 continue

@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..network.netns import SandboxNetwork
+from ..repository.contract import Repository
 from ..repository.errors import RepositoryError
 from ..repository.manifest import SnapshotManifest
+from ..runtime.contract import RuntimeResolver
 from ..runtime.layers import LayerStore
 from ..vmm import migration
 from ..vmm.envd_link import EnvdLink
@@ -96,8 +98,17 @@ def kill_unclaimed_vms(layers: LayerStore, claimed: set[int]) -> list[int]:
 class Recovery:
     """Adopts, settles and cleans up what earlier node processes left; collects garbage."""
 
-    def __init__(self, host: Host, clones: Clones, warm_dir: Path):
+    def __init__(
+        self,
+        host: Host,
+        repository: Repository,
+        runtime: RuntimeResolver,
+        layers: LayerStore,
+        clones: Clones,
+        warm_dir: Path,
+    ):
         self.host = host
+        self.repository, self.runtime, self.layers = repository, runtime, layers
         self.clones = clones
         self.warm_dir = warm_dir
 
@@ -108,12 +119,11 @@ class Recovery:
 
         `network` is its namespace as the network pool re-adopted it, if the pool made it.
         """
-        host = self.host
-        if state.paused or not is_our_vm(host.layers, state.pid, state.disk_layers):
+        if state.paused or not is_our_vm(self.layers, state.pid, state.disk_layers):
             raise EngineError(f"sandbox {state.sandbox_id} has no running VM left to adopt")
         assert state.pid is not None
-        manifest = host.repository.leased(state.snapshot_id, state.sandbox_id)
-        workdir = host.workdir(state.sandbox_id)
+        manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
+        workdir = self.host.workdir(state.sandbox_id)
         vm = await VirtualMachine.adopt(
             self.clones.config(manifest, state.disk_layers[-1]), workdir, state.pid
         )
@@ -134,12 +144,11 @@ class Recovery:
         """
         if not state.paused or state.pid is None:
             return
-        host = self.host
-        workdir = host.workdir(state.sandbox_id)
+        workdir = self.host.workdir(state.sandbox_id)
         if state.devices is None or state.delta is None:
-            if not is_our_vm(host.layers, state.pid, state.disk_layers):
+            if not is_our_vm(self.layers, state.pid, state.disk_layers):
                 raise EngineError(f"paused sandbox {state.sandbox_id} lost its memory with its QEMU process")
-            manifest = host.repository.leased(state.snapshot_id, state.sandbox_id)
+            manifest = self.repository.leased(state.snapshot_id, state.sandbox_id)
             stem = workdir / f"pause-{time.time_ns()}"
             if state.devices is None:
                 await self._capture_devices(state, manifest, stem.with_suffix(".devices"))
@@ -147,7 +156,7 @@ class Recovery:
                 delta = stem.with_suffix(".delta")
                 await self.clones.capture_memory(state.pid, manifest, delta)
                 state.delta = str(delta)
-        kill_stray(host.layers, state.pid, state.disk_layers)
+        kill_stray(self.layers, state.pid, state.disk_layers)
         state.pid = None
         state.save(workdir)
 
@@ -166,15 +175,14 @@ class Recovery:
 
     def cleanup_warm_leftovers(self) -> int:
         """End the warm VMs of a node process that did not stop cleanly; returns how many."""
-        host = self.host
         leftovers = 0
         for record_file in WarmRecord.found(self.warm_dir):
             with contextlib.suppress(OSError, ValueError, TypeError):
                 warm = WarmRecord.load(record_file)
-                kill_stray(host.layers, warm.pid, [warm.top_layer])
+                kill_stray(self.layers, warm.pid, [warm.top_layer])
                 SandboxNetwork(warm.network).destroy()
-                host.layers.remove(warm.top_layer)
-                host.repository.release(warm.snapshot_id, record_file.parent.name)
+                self.layers.remove(warm.top_layer)
+                self.repository.release(warm.snapshot_id, record_file.parent.name)
                 leftovers += 1
             shutil.rmtree(record_file.parent, ignore_errors=True)
         return leftovers
@@ -190,21 +198,19 @@ class Recovery:
         otherwise), so collection can run while sandboxes are created, snapshotted and taken
         from the warm pool.
         """
-        host = self.host
         used = self._layers_in_use(keep or set())
         cutoff = time.time() - (LAYER_GRACE_SECONDS if grace_seconds is None else grace_seconds)
-        orphans = sorted(i for i in host.layers.all_ids() - used if host.layers.modified(i) < cutoff)
+        orphans = sorted(i for i in self.layers.all_ids() - used if self.layers.modified(i) < cutoff)
         for layer in orphans:
-            host.layers.remove(layer)
-        host.runtime.prune(host.repository.is_live)
-        blobs = host.repository.gc(grace_seconds=grace_seconds)
+            self.layers.remove(layer)
+        self.runtime.prune(self.repository.is_live)
+        blobs = self.repository.gc(grace_seconds=grace_seconds)
         return GarbageReport(removed_layers=tuple(orphans), blobs=blobs)
 
     def _layers_in_use(self, keep: set[str]) -> set[str]:
-        host = self.host
-        used = {layer for m in host.repository.list() for layer in m.disk_layers}
-        used |= {layer for s in host.sandbox_states() for layer in (*s.disk_layers, *s.kept_layers)}
-        return used | self._warm_layers() | layers_of_running_vms(host.layers) | keep
+        used = {layer for m in self.repository.list() for layer in m.disk_layers}
+        used |= {layer for s in self.host.sandbox_states() for layer in (*s.disk_layers, *s.kept_layers)}
+        return used | self._warm_layers() | layers_of_running_vms(self.layers) | keep
 
     def remove_sealed_layers(self, ended: SandboxState, keep: set[str]) -> tuple[str, ...]:
         """Remove the disk layers an ended sandbox sealed (its pauses', snapshots' and
@@ -213,19 +219,18 @@ class Recovery:
         a trainer runs thousands of them. Its snapshot's layers are not its own and stay; a
         snapshot made of it, a fork's chain or a snapshot still being committed (`keep`) keeps
         the layers it names. Called in a thread: it reads the repository's manifests."""
-        host = self.host
         sealed = {*ended.disk_layers[:-1], *ended.kept_layers}
         if not sealed:
             return ()
         try:
-            sealed -= set(host.repository.get(ended.snapshot_id).disk_layers)
+            sealed -= set(self.repository.get(ended.snapshot_id).disk_layers)
         except RepositoryError:  # its snapshot's layers unknown: the collector decides later
             return ()
         if not sealed:
             return ()
         removed = tuple(sorted(sealed - self._layers_in_use(keep)))
         for layer in removed:
-            host.layers.remove(layer)
+            self.layers.remove(layer)
         return removed
 
     def _warm_layers(self) -> set[str]:

@@ -39,6 +39,8 @@ from typing import Any
 
 from ..network.netns import SandboxNetwork
 from ..repository.manifest import SnapshotManifest
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore
 from ..vmm import devstate, migration
 from ..vmm.launcher import GuestVM
 from ..vmm.machine import VirtualMachine
@@ -68,8 +70,17 @@ class Standby:
 class Standbys:
     """The standbys of this node's sandboxes: built in the background, taken by a reset."""
 
-    def __init__(self, host: Host, clones: Clones, *, enabled: bool = False):
+    def __init__(
+        self,
+        host: Host,
+        runtime: RuntimeResolver,
+        layers: LayerStore,
+        clones: Clones,
+        *,
+        enabled: bool = False,
+    ):
         self.host = host
+        self.runtime, self.layers = runtime, layers
         self.clones = clones
         self.enabled = enabled
         self._building: dict[str, tuple[Standby, asyncio.Task[bool]]] = {}
@@ -119,10 +130,10 @@ class Standbys:
         """Restore the checkpoint into a QEMU that stays stopped; False if it could not be made."""
         directory = standby.directory
         try:
-            standby.top_layer = await self.host.layers.create_upper(sealed)
+            standby.top_layer = await self.layers.create_upper(sealed)
             directory.mkdir(exist_ok=True)
             stream = directory / "standby.vmstate"
-            prefix = self.host.runtime.vmstate_prefix(manifest)
+            prefix = self.runtime.vmstate_prefix(manifest)
             stream.write_bytes(devstate.splice(prefix, devices.read_bytes()))
             # Its own namespace: one from the pool, or without one a new name beside the sandbox's.
             standby.network = await self.host.network(f"aenv-{directory.name}", state.egress)
@@ -172,7 +183,7 @@ class Standbys:
             await asyncio.shield(self._end(standby))
             raise
         shutil.rmtree(standby.directory, ignore_errors=True)
-        self.host.runtime.restored(manifest)
+        self.runtime.restored(manifest)
         return sandbox
 
     def drop(self, sandbox_id: str, checkpoint_id: str | None = None) -> None:
@@ -189,7 +200,7 @@ class Standbys:
 
     async def _retire(self, guest: GuestVM, top_layer: str) -> None:
         await guest.destroy(keep_files=True)
-        await asyncio.to_thread(self.host.layers.remove, top_layer)
+        await asyncio.to_thread(self.layers.remove, top_layer)
 
     async def settle(self, sandbox_id: str | None = None) -> None:
         """Drop the sandbox's standby (without `sandbox_id`: every one's, and make no more, as the
@@ -225,7 +236,7 @@ class Standbys:
             if network is not None:
                 await network.aclose()
             if standby.top_layer:
-                await asyncio.to_thread(self.host.layers.remove, standby.top_layer)
+                await asyncio.to_thread(self.layers.remove, standby.top_layer)
         except Exception:
             log.exception("ending the standby of checkpoint %s failed", standby.checkpoint_id)
         shutil.rmtree(standby.directory, ignore_errors=True)

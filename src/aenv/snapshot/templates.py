@@ -31,9 +31,11 @@ from pathlib import Path
 
 from ..guest.artifacts import GuestArtifacts
 from ..network.egress import EgressPolicy
+from ..repository.contract import Repository
 from ..repository.files import file_digest
 from ..repository.manifest import MachineShape, RuntimeContext, SnapshotManifest, new_snapshot_id, utc_now
-from ..runtime.layers import new_layer_id
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore, new_layer_id
 from ..vmm import devstate, migration
 from ..vmm.accel import default_vcpus
 from ..vmm.envd_link import EnvdLink
@@ -91,7 +93,7 @@ class BuildVM:
         self, builder: TemplateBuilder, guest: GuestVM, staging: Path, chain: tuple[str, ...],
         upper: str, shape: MachineShape,
     ):  # fmt: skip
-        self._builder, self._layers = builder, builder.host.layers
+        self._builder, self._layers = builder, builder.layers
         self.guest: GuestVM | None = guest  # None once saved
         self.chain = chain  # sealed layers, bottom to top
         self.upper = upper  # the writable layer on top of them
@@ -140,8 +142,16 @@ class BuildVM:
 class TemplateBuilder:
     """Boots, prepares and commits template VMs from this node's guest artifacts."""
 
-    def __init__(self, host: Host, artifacts: GuestArtifacts):
+    def __init__(
+        self,
+        host: Host,
+        repository: Repository,
+        runtime: RuntimeResolver,
+        layers: LayerStore,
+        artifacts: GuestArtifacts,
+    ):
         self.host = host
+        self.repository, self.runtime, self.layers = repository, runtime, layers
         self.artifacts = artifacts
 
     async def build(
@@ -158,7 +168,7 @@ class TemplateBuilder:
         passes, commit it."""
         runtime = runtime or RuntimeContext()
         started = time.monotonic()
-        base = self.host.layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
+        base = self.layers.import_base(self.artifacts.base_image, self.artifacts.base_image_digest)
         async with self.vm((base,), vcpus=vcpus, memory_mib=memory_mib, egress=False) as build:
             await build.prepare(runtime, ready_timeout)
             manifest = await build.commit(runtime, metadata or {}, alias)
@@ -183,15 +193,15 @@ class TemplateBuilder:
         Nothing is committed unless the caller does (`BuildVM.commit`); on failure no VM is left
         and the writable layer goes, while the layers sealed on the way (`BuildVM.seal`) stay.
         """
-        host, layers = self.host, self.host.layers
-        staging = host.repository.staging_dir()
+        host, layers = self.host, self.layers
+        staging = self.repository.staging_dir()
         upper = await layers.create_upper(chain[-1])
         build: BuildVM | None = None
         try:
             if grow_mib:
                 await _enlarge(layers.path(upper), grow_mib)
             shape = await self._machine(vcpus or default_vcpus(host.accel), memory_mib)
-            boot = await asyncio.to_thread(host.runtime.boot_files, shape)
+            boot = await asyncio.to_thread(self.runtime.boot_files, shape)
             config = guest_machine(
                 boot, layers.path(upper), accel=host.accel, vcpus=shape.vcpus, memory_mib=memory_mib,
                 memory_mode=MemoryMode.SHARED_FILE, memory_path=staging / "memory.img",
@@ -211,7 +221,7 @@ class TemplateBuilder:
             layers.remove(build.upper if build is not None else upper)
             raise
         finally:
-            host.repository.discard_staging(staging)
+            self.repository.discard_staging(staging)
 
     async def _save(self, guest: GuestVM, staging: Path) -> None:
         """Stop the guest once it is quiet and save its state without RAM; the VM is gone afterwards.
@@ -232,7 +242,7 @@ class TemplateBuilder:
 
     async def _machine(self, vcpus: int, memory_mib: int) -> MachineShape:
         """The template's machine, its boot files stored in the repository first."""
-        repository = self.host.repository
+        repository = self.repository
         boot = BootFiles.from_artifacts(self.artifacts, self.host.accel)
         kernel, initramfs, tools = await asyncio.to_thread(
             lambda: [repository.put_blob(p) for p in (boot.kernel, boot.initramfs, boot.tools_image)]
@@ -259,13 +269,13 @@ class TemplateBuilder:
         metadata: dict[str, str],
         shape: MachineShape,
     ) -> SnapshotManifest:
-        repository = self.host.repository
+        repository = self.repository
         devices = (staging / "devices").read_bytes()
         prefix = devstate.split_prefix((staging / "vmstate").read_bytes(), devices)
         image = staging / "memory.img"
         image_size = image.stat().st_size
         memory_image = file_digest(image)
-        self.host.runtime.keep_local(image, memory_image)
+        self.runtime.keep_local(image, memory_image)
         repository.put_blob(image, digest=memory_image, move=True, verify=False)
         manifest = SnapshotManifest(
             id=new_snapshot_id(),
@@ -278,7 +288,7 @@ class TemplateBuilder:
             memory_deltas=(),
             device_state=repository.put_bytes(devices),
             vmstate_prefix=repository.put_bytes(prefix),
-            disk_layers=self.host.runtime.publish_layers(list(layers)),
+            disk_layers=self.runtime.publish_layers(list(layers)),
             runtime=runtime,
             metadata=metadata,
             sizes={memory_image: image_size},

@@ -21,11 +21,14 @@ from pathlib import Path
 
 from ..network.egress import EgressPolicy
 from ..network.netns import SandboxNetwork
+from ..repository.contract import Repository
 from ..repository.manifest import SnapshotManifest
+from ..runtime.contract import RuntimeResolver
+from ..runtime.layers import LayerStore
 from ..vmm.envd_link import EnvdLink
 from ..vmm.machine import VirtualMachine
 from .clones import Clones
-from .host import Host
+from .host import Host, StopDeadline
 from .model import GuestInit, SandboxState, SandboxVM, clock_payload, replace_text
 from .warm_pool import REFRESH_INTERVAL, WarmVM
 
@@ -82,8 +85,17 @@ class WarmRecord:
 class WarmVMs:
     """Makes and undoes the warm pool's VMs (its `WarmSource`) and turns one into a sandbox."""
 
-    def __init__(self, host: Host, clones: Clones):
+    def __init__(
+        self,
+        host: Host,
+        repository: Repository,
+        runtime: RuntimeResolver,
+        layers: LayerStore,
+        stop: StopDeadline,
+        clones: Clones,
+    ):
         self.host = host
+        self.repository, self.runtime, self.layers, self.stop = repository, runtime, layers, stop
         self.clones = clones
         self.directory = host.runtime_dir / "warm"
 
@@ -100,21 +112,21 @@ class WarmVMs:
         """
         host = self.host
         entry_id = "w" + secrets.token_hex(6)
-        manifest = host.repository.acquire(snapshot_id, entry_id)
+        manifest = self.repository.acquire(snapshot_id, entry_id)
         workdir = self.directory / entry_id
         top: str | None = None
         network: SandboxNetwork | None = None
         vm: VirtualMachine | None = None
         try:
             await host.check_runnable(manifest)
-            top = await host.new_top_layer(manifest)
+            top = await self.clones.new_top_layer(manifest)
             network = await host.network(f"aenv-{entry_id}", None)
             vm = await self.clones.spawn(manifest, top, workdir, network)
             # Recorded as soon as its process exists: a node that dies while the guest is still
             # being restored leaves a record for the next one to end it by (`cleanup_warm_leftovers`).
             record = WarmRecord(vm.pid, manifest.id, top, network.name)
             record.save(workdir)
-            runtime = host.runtime
+            runtime = self.runtime
             await self.clones.load(
                 vm, manifest, runtime.memory_deltas(manifest), runtime.template_stream(manifest)
             )
@@ -137,9 +149,9 @@ class WarmVMs:
             if network is not None:
                 network.destroy()
             if top is not None:
-                host.layers.remove(top)
+                self.layers.remove(top)
             shutil.rmtree(workdir, ignore_errors=True)
-            await host.stop.release(host.repository, snapshot_id, entry_id)  # cancelled by a stop, too
+            await self.stop.release(self.repository, snapshot_id, entry_id)  # cancelled by a stop, too
             raise
         return WarmVM(entry_id, manifest.id, vm, network, envd, top, workdir, token)
 
@@ -152,9 +164,9 @@ class WarmVMs:
         warm.envd.close()
         await warm.vm.kill()
         await warm.network.aclose()
-        self.host.layers.remove(warm.top_layer)
+        self.layers.remove(warm.top_layer)
         await asyncio.to_thread(shutil.rmtree, warm.workdir, ignore_errors=True)
-        await self.host.stop.release(self.host.repository, warm.snapshot_id, warm.entry_id)
+        await self.stop.release(self.repository, warm.snapshot_id, warm.entry_id)
 
     async def claim(
         self,

@@ -13,7 +13,6 @@ refreshing and undoing a warm VM is its `WarmSource`'s business (`aenv.snapshot.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Protocol
 
 from ..events import EventBus, TemplateBuilt
 from ..network.netns import SandboxNetwork
+from ..tasks import cancel
 from ..vmm.envd_link import EnvdLink
 from ..vmm.machine import VirtualMachine
 
@@ -179,19 +179,12 @@ class WarmPool:
     async def drain(self, snapshot_id: str) -> None:
         """Stop keeping VMs for the snapshot and discard the ones ready."""
         await self.set_target(snapshot_id, 0)
-        task = self._refills.pop(snapshot_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel(self._refills.pop(snapshot_id, None))
         for warm in self._ready.pop(snapshot_id, []):
             await self._source.discard(warm)
 
     async def close(self) -> None:
-        if self._keeper is not None:
-            self._keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keeper
-            self._keeper = None
+        await cancel(self._keeper)
+        self._keeper = None
         for snapshot_id in list({*self._targets, *self._ready}):
             await self.drain(snapshot_id)

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from ..tasks import cancel
+
 log = logging.getLogger(__name__)
 
 SERIAL_LOG = "serial.log"
@@ -209,9 +211,7 @@ class SerialPump:
         self.ring = SerialRing(workdir)
 
     async def stop(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await cancel(self.task)
         self._close()  # also when the task was cancelled before it ran
 
     def _close(self) -> None:
