@@ -45,6 +45,8 @@ waited 7.2-7.6 s. At 64 the API
 p99 went 49-50 -> 12-13 ms, at 16 21 -> 2 ms (tool call p50 264 -> 129 ms, 136 -> 155/min).
 `vmm_cpu_weight` went back to 100 by default afterwards: on cgroup v1 each busy process outside
 the VMs' group then outweighed them all, and the 256-SDK-sandbox test through a gateway starved.
+With 100 (quick, `--rollout-counts 256 --rollout-parts concurrent`, one round): API p99
+22-24 ms (max 117-142), 101 rollouts/min, tool call p50 1.3 s, p99 13.5 s.
 
 Resets now continue a standby restored ahead of time (`aenv.snapshot.standby`; quick, reset rows
 only, `--rollout-parts reset`, 3 runs each): reset 375/396/400 ms against a parked resume's
