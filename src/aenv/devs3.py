@@ -55,6 +55,14 @@ class S3Server:
         return name
 
 
+# Every bucket is a collection of its own, and SeaweedFS grows 7 volumes for each by default, with
+# `-volume.max=0` capping them by free disk / volume size: the storage tests' 31 buckets took 218
+# volumes, and a CI host with less free disk refused writes with InternalError late in the run.
+# One volume per bucket, and a cap that does not depend on the disk (volumes are sparse files).
+MAX_VOLUMES = 1000
+MASTER_CONFIG = "[master.volume_growth]\ncopy_1 = 1\n"
+
+
 class SeaweedFS:
     """`weed server -s3` on fixed ports and one data directory: stopped and started again, it
     serves the same buckets at the same endpoint (a store that goes away and comes back)."""
@@ -74,11 +82,12 @@ class SeaweedFS:
         (workdir / "data").mkdir(parents=True)
         config = workdir / "s3.json"
         config.write_text(json.dumps(identities))
+        (workdir / "master.toml").write_text(MASTER_CONFIG)  # read from the working directory
         ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
         grpc = {name: free_port() for name in ports}
         self.args = [
             weed_binary(), "server", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", f"-volume.max={MAX_VOLUMES}",
             "-s3", f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={workdir / 'filer.sock'}",
             *(f"-{name}.port={port}" for name, port in ports.items()),
@@ -92,7 +101,7 @@ class SeaweedFS:
         log = self.workdir / "weed.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(args=self.args, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+                                            cwd=self.workdir, start_new_session=True)  # fmt: skip
         try:
             _wait_ready(self.server, self.process, log)
         except BaseException:

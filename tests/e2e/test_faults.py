@@ -70,7 +70,19 @@ def settled(node: NodeServer, before: dict[str, float]) -> None:
     try:
         wait_until(within, 90, interval=1, what="the node to hold no more than it held before")
     except AssertionError:
-        raise AssertionError(f"left behind: before {before}, now {held(node)}") from None
+        raise AssertionError(
+            f"left behind: before {before}, now {held(node)}; newest files: {newest_files(node.home)}"
+        ) from None
+
+
+def newest_files(home: Path, count: int = 8) -> list[str]:
+    """The files under `home` changed last: where a leaked file is found when a count is off."""
+    changed = []
+    for top, _, names in os.walk(home):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):  # removed while we walk
+                changed.append((os.lstat(os.path.join(top, name)).st_mtime, os.path.join(top, name)))
+    return [os.path.relpath(path, home) for _, path in sorted(changed, reverse=True)[:count]]
 
 
 @contextlib.contextmanager
