@@ -11,6 +11,7 @@ costs no copy however much was written. Another home's sealed layers are taken o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -43,7 +44,13 @@ async def _qemu_img(*args: str) -> str:
     process = await asyncio.create_subprocess_exec(
         "qemu-img", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    out, err = await process.communicate()
+    try:
+        out, err = await process.communicate()
+    except BaseException:  # cancelled: qemu-img must not outlive the call, nor write after it
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await asyncio.shield(process.wait())
+        raise
     if process.returncode != 0:
         raise _failure(args, err)
     return out.decode()
@@ -122,9 +129,13 @@ class LayerStore:
         if not backing.exists():
             raise LayerError(f"disk layer {backing.name} is missing")
         layer_id = new_layer_id()
-        await _qemu_img(
-            "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(self.path(layer_id))
-        )
+        try:
+            await _qemu_img(
+                "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(self.path(layer_id))
+            )
+        except BaseException:  # failed, or cancelled (a standby dropped by a kill): no file stays
+            self.remove(layer_id)
+            raise
         return layer_id
 
     def seal(self, layer_id: str) -> None:
