@@ -10,8 +10,6 @@ costs no copy however much was written. Another home's sealed layers are taken o
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import secrets
 import shutil
@@ -19,6 +17,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from ..vmm.launcher import create_upper_layer
 
 _ID_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 
@@ -38,22 +38,6 @@ class LayerError(RuntimeError):
 
 def _failure(args: tuple[str, ...], stderr: bytes) -> LayerError:
     return LayerError(f"qemu-img {args[0]} failed: {stderr.decode(errors='replace').strip()}")
-
-
-async def _qemu_img(*args: str) -> str:
-    process = await asyncio.create_subprocess_exec(
-        "qemu-img", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
-        out, err = await process.communicate()
-    except BaseException:  # cancelled: qemu-img must not outlive the call, nor write after it
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await asyncio.shield(process.wait())
-        raise
-    if process.returncode != 0:
-        raise _failure(args, err)
-    return out.decode()
 
 
 def _qemu_img_sync(*args: str) -> None:
@@ -130,12 +114,9 @@ class LayerStore:
             raise LayerError(f"disk layer {backing.name} is missing")
         layer_id = new_layer_id()
         try:
-            await _qemu_img(
-                "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(self.path(layer_id))
-            )
-        except BaseException:  # failed, or cancelled (a standby dropped by a kill): no file stays
-            self.remove(layer_id)
-            raise
+            await create_upper_layer(backing, self.path(layer_id))
+        except RuntimeError as exc:
+            raise LayerError(str(exc)) from exc
         return layer_id
 
     def seal(self, layer_id: str) -> None:

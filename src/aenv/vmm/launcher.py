@@ -29,15 +29,24 @@ async def create_upper_layer(lower: Path, upper: Path, size: int | None = None) 
     """A fresh writable qcow2 layer whose reads fall through to `lower`.
 
     With `size` (the chain's virtual size) `lower` is not opened, so it may be in use by a VM.
+    A create that fails or is cancelled leaves neither the file nor qemu-img behind: the caller,
+    whose await raised, never learns the file was made.
     """
     unsafe = ["-u", str(upper), str(size)] if size is not None else [str(upper)]
     process = await asyncio.create_subprocess_exec(
         "qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(lower), *unsafe,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    _, err = await process.communicate()
-    if process.returncode != 0:
-        raise RuntimeError(f"qemu-img create {upper} failed: {err.decode(errors='replace').strip()}")
+    try:
+        _, err = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"qemu-img create {upper} failed: {err.decode(errors='replace').strip()}")
+    except BaseException:  # failed, or cancelled (a standby dropped by a kill): no qemu-img, no file
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await asyncio.shield(process.wait())
+        upper.unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True)
