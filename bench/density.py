@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aenv.snapshot.memory import find_mapping
+
 from .context import Context, Sandboxes, bounded
 from .merging import ksmd_pid, merged_mib, settle
 from .node import BenchError
@@ -70,20 +72,28 @@ def cpu_seconds(pids: list[int]) -> float:
 PARTS = ("guest_ram_written", "tcg_code", "qemu_other_anon", "page_tables")
 
 
-def qemu_memory_mib(pid: int, guest_mib: int) -> dict[str, float]:
-    """RSS, PSS and `PARTS` of a QEMU process in MiB; zeros for a process that is gone.
+def guest_ram(pid: int) -> tuple[int, int]:
+    """Address range of a QEMU's guest RAM: the private mapping of its memory image (`mem-path=` of
+    its command line), which the node's reclaimer may have split into several mappings."""
+    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    for option in (a.decode() for a in arguments if b"mem-path=" in a):
+        image = next(p.removeprefix("mem-path=") for p in option.split(",") if p.startswith("mem-path="))
+        return find_mapping(pid, Path(image))
+    raise LookupError(f"QEMU {pid} maps no memory image")
 
-    The guest RAM mapping is the file mapping of exactly `guest_mib` (the clone's memory image).
-    """
+
+def qemu_memory_mib(pid: int) -> dict[str, float]:
+    """RSS, PSS and `PARTS` of a QEMU process in MiB; zeros for a process that is gone."""
     usage = dict.fromkeys(("rss", "pss", *PARTS, "tcg_code_merged"), 0.0)
     part = "qemu_other_anon"
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, LookupError):
+        ram_start, ram_end = guest_ram(pid)
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             field, _, rest = line.partition(" ")
             if not field.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
                 start, end = (int(a, 16) for a in field.split("-"))
                 words = rest.split()
-                if len(words) > 4 and end - start == guest_mib << 20:
+                if ram_start <= start and end <= ram_end:
                     part = "guest_ram_written"
                 elif len(words) == 4 and "x" in words[0]:
                     part = "tcg_code"
@@ -155,7 +165,7 @@ async def density(ctx: Context) -> list[Row]:
         used = host_used_mib() - before if before is not None else None
         load = os.getloadavg() if local else None
         memory_mib = (await ctx.client.detail(ids[0]))["memoryMB"] if ids else 0
-        usage = [qemu_memory_mib(pid, memory_mib) for pid in pids]
+        usage = [qemu_memory_mib(pid) for pid in pids]
         totals = {key: sum(u[key] for u in usage) for key in usage[0]} if usage else {}
         rss, pss = totals.get("rss", 0.0), totals.get("pss", 0.0)
         owned = {part: round(totals[part] / len(usage), 2) for part in PARTS} if usage else {}

@@ -43,7 +43,7 @@ from typing import Any
 from aenv.snapshot.memory import PAGE_SIZE, dirty_pages
 
 from .context import Context, Sandboxes, bounded
-from .density import cpu_seconds, host_used_mib, qemu_memory_mib
+from .density import cpu_seconds, guest_ram, host_used_mib, qemu_memory_mib
 from .merging import ksmd_pid, merged_mib
 from .reclaimoff import reclaim_on_against_off
 from .report import Row
@@ -55,17 +55,6 @@ RETURNED_SHARE = 0.8
 RETURN_TIMEOUT_S = 60.0
 POLL_S = 0.25
 CONCURRENCY = 2  # guests running the workload at once (TCG: one per host core)
-
-
-def guest_ram(pid: int, memory_mib: int) -> tuple[int, int]:
-    """Address range of a QEMU's guest RAM: its file mapping of exactly the guest's size."""
-    with open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if len(fields) == 6 and end - start == memory_mib << 20:
-                return start, end
-    raise LookupError(f"QEMU {pid} maps no guest RAM of {memory_mib} MiB")
 
 
 @dataclass(frozen=True)
@@ -86,9 +75,9 @@ class Held:
         return f"guest RAM {self.guest:.1f} + translation cache {self.cache:.1f} + rest {self.rest:.1f}"
 
 
-def held(pids: Iterable[int], memory_mib: int) -> Held | None:
+def held(pids: Iterable[int]) -> Held | None:
     """Median private memory of the QEMUs by part; None when none is running."""
-    usage = [u for u in (qemu_memory_mib(pid, memory_mib) for pid in pids) if u["rss"] > 0]
+    usage = [u for u in (qemu_memory_mib(pid) for pid in pids) if u["rss"] > 0]
     if not usage:
         return None
 
@@ -99,26 +88,24 @@ def held(pids: Iterable[int], memory_mib: int) -> Held | None:
     return Held(median("guest_ram_written"), median("tcg_code"), median("qemu_other_anon"), unmerged)
 
 
-def private_mib(pid: int, memory_mib: int) -> float:
+def private_mib(pid: int) -> float:
     """MiB of guest RAM the QEMU holds privately (pages the guest wrote and the host still keeps)."""
-    return dirty_pages(pid, *guest_ram(pid, memory_mib)).size * PAGE_SIZE / 2**20
+    return dirty_pages(pid, *guest_ram(pid)).size * PAGE_SIZE / 2**20
 
 
-async def _diverge(
-    ctx: Context, sandbox: dict[str, Any], pid: int | None, memory_mib: int
-) -> tuple[float, float | None]:
+async def _diverge(ctx: Context, sandbox: dict[str, Any], pid: int | None) -> tuple[float, float | None]:
     """Run the workload; its seconds, and the seconds until 80 % of the guest RAM it made private is
     back (None: not local)."""
-    before = private_mib(pid, memory_mib) if pid is not None else 0.0
+    before = private_mib(pid) if pid is not None else 0.0
     started = time.monotonic()
     await ctx.client.run(sandbox, ALLOCATE)
     await ctx.client.run(sandbox, FILES)
     freed_at = time.monotonic()
     if pid is None:
         return freed_at - started, None
-    peak = private_mib(pid, memory_mib)
+    peak = private_mib(pid)
     goal = peak - RETURNED_SHARE * (peak - before)
-    while private_mib(pid, memory_mib) > goal:
+    while private_mib(pid) > goal:
         if time.monotonic() - freed_at > RETURN_TIMEOUT_S:
             return freed_at - started, RETURN_TIMEOUT_S
         await asyncio.sleep(POLL_S)
@@ -139,9 +126,9 @@ async def divergence(ctx: Context) -> list[Row]:
         fresh = (host_used_mib() - before) / len(live) if local else None
         pids = ctx.node.sandbox_pids()
         memory_mib = (await ctx.client.detail(live[0]["sandboxID"]))["memoryMB"]
-        fresh_qemu = held(pids.values(), memory_mib)
+        fresh_qemu = held(pids.values())
         returns = await bounded(
-            CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"]), memory_mib) for s in live]
+            CONCURRENCY, [lambda s=s: _diverge(ctx, s, pids.get(s["sandboxID"])) for s in live]
         )
         failed = [str(r) for r in returns if isinstance(r, BaseException)]
         ksmd = [pid] if ctx.node.memory_merge and (pid := ksmd_pid()) is not None else []
@@ -149,7 +136,7 @@ async def divergence(ctx: Context) -> list[Row]:
         await asyncio.sleep(ctx.plan.divergence_idle_s)
         ksmd_cores = (cpu_seconds(ksmd) - ksmd_before) / ctx.plan.divergence_idle_s
         diverged = (host_used_mib() - before) / len(live) if local else None
-        diverged_qemu = held(pids.values(), memory_mib)
+        diverged_qemu = held(pids.values())
         merged = merged_mib() if ctx.node.memory_merge else 0.0  # before the kills unmerge it
     note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
     if fresh_qemu is not None and diverged_qemu is not None:

@@ -17,6 +17,7 @@ from aenv.orchestrator.admission import Admission
 from aenv.orchestrator.errors import Unavailable
 from aenv.orchestrator.reclaim import MemoryReclaimer
 from aenv.orchestrator.states import State
+from aenv.vmm.envd_link import EnvdUnavailable
 from aenv.vmm.reclaim import Scan
 
 
@@ -25,32 +26,43 @@ class FakeVM:
 
     every: dict[int, FakeVM] = {}
     reclaimed: list[int] = []  # pids, in the order reclaimed
+    caches_dropped: list[int] = []  # pids, in the order their guests were asked to drop their cache
     on_reclaim: list[Callable[[], None]] = []
 
-    def __init__(self, pid: int, private: float, cpu: float, freed: float = 0.0):
-        self.pid, self.private, self.cpu, self.freed = pid, private, cpu, freed
+    def __init__(self, pid: int, private: float, cpu: float, freed: float = 0.0, envd_down: bool = False):
+        self.pid, self.private, self.cpu, self.freed, self.envd_down = pid, private, cpu, freed, envd_down
         FakeVM.every[pid] = self
 
     def cpu_seconds(self) -> float:
         return self.cpu
 
+    async def execute(self, argv: list[str], *, timeout: float) -> int:
+        """The guest's envd: dropping its page cache costs it a little CPU."""
+        assert argv == policy_module.DROP_CACHE
+        if self.envd_down:
+            raise EnvdUnavailable("envd does not answer")
+        FakeVM.caches_dropped.append(self.pid)
+        self.cpu += 0.1
+        return 0
+
 
 async def fake_find(vm: FakeVM) -> Scan:
     """Each page of what the guest freed is a candidate."""
-    return Scan(0, int(vm.private * 256), np.arange(int(vm.freed * 256), dtype=np.uint64))
+    freed = np.arange(int(vm.freed * 256), dtype=np.uint64)
+    return Scan(0, 0, int(vm.private * 256), freed, np.empty(0, np.uint64))
 
 
 async def fake_release(vm: FakeVM, found: Scan) -> tuple[int, float]:
     FakeVM.reclaimed.append(vm.pid)
-    vm.private -= found.candidates.size / 256
+    vm.private -= found.candidates / 256
     vm.freed = 0.0
     for hook in FakeVM.on_reclaim:
         hook()
-    return int(found.candidates.size), 0.01
+    return found.candidates, 0.01
 
 
 def sandbox(name: str, vm: FakeVM, state: State = State.RUNNING) -> SimpleNamespace:
-    return SimpleNamespace(id=name, vm=SimpleNamespace(vm=vm), lock=asyncio.Lock(),
+    return SimpleNamespace(id=name, vm=SimpleNamespace(vm=vm, envd=vm), lock=asyncio.Lock(),
                            record=SimpleNamespace(state=state))  # fmt: skip
 
 
@@ -59,6 +71,7 @@ def fake_vms(monkeypatch: pytest.MonkeyPatch) -> None:
     """The policy works on FakeVMs."""
     monkeypatch.setattr(FakeVM, "every", {})
     monkeypatch.setattr(FakeVM, "reclaimed", [])
+    monkeypatch.setattr(FakeVM, "caches_dropped", [])
     monkeypatch.setattr(FakeVM, "on_reclaim", [])
     monkeypatch.setattr(policy_module.reclaim, "find", fake_find)
     monkeypatch.setattr(policy_module.reclaim, "release", fake_release)
@@ -99,6 +112,22 @@ def test_under_pressure_the_idlest_that_grew_go_first_until_the_host_has_enough(
     FakeVM.on_reclaim.append(lambda: available.__setitem__(0, available[0] + 100))
     asyncio.run(policy.sweep())
     assert FakeVM.reclaimed == [3, 2]  # idlest first; the busy one left once the host has enough
+    assert FakeVM.caches_dropped == [4, 3, 2]  # each guest scanned under pressure dropped its cache
+
+
+def test_under_pressure_a_guest_drops_its_page_cache_again_only_once_it_ran() -> None:
+    vm, mute = FakeVM(1, 300, 0, freed=10), FakeVM(2, 300, 0, freed=10, envd_down=True)
+    policy = MemoryReclaimer(lambda: [sandbox("a", vm), sandbox("m", mute)], interval=0, growth_mib=16,
+                             pressure_mib=1 << 30)  # fmt: skip
+    asyncio.run(policy.sweep())
+    assert FakeVM.caches_dropped == [1]
+    assert asyncio.run(policy.sweep()) == 0  # neither ran since
+    assert FakeVM.caches_dropped == [1]
+    vm.cpu, vm.freed, vm.private = 1.0, 50, 350
+    mute.private += 10
+    assert asyncio.run(policy.sweep()) == 60 * 2**20
+    assert FakeVM.caches_dropped == [1, 1]
+    assert FakeVM.reclaimed == [2, 1]  # a guest whose envd does not answer is still scanned
 
 
 def test_a_guest_at_work_is_scanned_once_it_rests_also_when_it_freed_without_growing() -> None:

@@ -3,7 +3,9 @@
 Real VMs restored from the session's base template: a guest allocates and touches 200 MiB, then
 frees it, and writes then deletes 100 MiB of files; the node's policy gives the freed pages back
 to the host. The memory image other clones map is never written, and what the guest holds (a
-file on its tmpfs, in guest RAM) comes back exactly after a pause and resume, and in a fork.
+file on its tmpfs, in guest RAM) comes back exactly after a pause and resume, and in a fork;
+also after the guest dropped its page cache under host pressure and the node remapped what it
+zeroed.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from types import SimpleNamespace
 
 from aenv.orchestrator.reclaim import MemoryReclaimer, private_mib
 from aenv.orchestrator.states import State
-from aenv.snapshot.memory import find_mapping
+from aenv.snapshot import memory
+from aenv.snapshot.memory import PAGE_SIZE, find_mapping
 from aenv.vmm import reclaim
 
 ALLOCATE = "python3 -c 'b = bytearray(200 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n'"
 FILES = "dd if=/dev/urandom of=/root/big bs=1M count=100 status=none && sync && rm /root/big && sync"
 KEEP = "head -c 8M /dev/urandom > /dev/shm/keep && sha256sum /dev/shm/keep"
+TOOLS = "sha256sum /usr/bin/python3 /bin/bash /bin/dd"
 
 
 def digest(path: Path) -> str:
@@ -81,7 +85,21 @@ def test_freed_guest_memory_goes_back_to_the_host_and_state_stays_exact(sandboxe
     assert node_loop.run(reclaim.reclaim(child.vm.vm)).returned_mib >= 0.8 * 200
     assert kept(child) == marker
 
-    sandboxes.pause(parent)
+    # Under host pressure the guest drops its clean page cache: the pages that held the image's
+    # data are zeroed, and go back remapped; the guest reads its files and memory as before.
+    files = parent.sdk().commands.run(TOOLS, user="root").stdout
+    private = guest_private(parent)
+    pressed = MemoryReclaimer(
+        lambda: [held], interval=0, growth_mib=16, pressure_mib=1 << 30, idle_share=math.inf
+    )
+    assert node_loop.run(pressed.sweep()) > 0
+    vm = parent.vm.vm
+    remapped = memory.remapped_pages(vm.pid, *find_mapping(vm.pid, image)).size * PAGE_SIZE / 2**20
+    assert remapped >= 2 and guest_private(parent) < private, (remapped, private, guest_private(parent))
+    assert parent.sdk().commands.run(TOOLS, user="root").stdout == files
+    assert kept(parent) == marker
+
+    sandboxes.pause(parent)  # its capture holds the remapped runs as zero pages
     resumed = sandboxes.resume(parent.sandbox_id)
     assert kept(resumed) == marker
     diverge(resumed)

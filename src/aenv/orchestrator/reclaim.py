@@ -8,11 +8,18 @@ back to the host (`aenv.vmm.reclaim`: a guest of 228 MiB private memory after
 allocating and freeing 200 MiB and deleting 100 MiB of files got 209 MiB back in 0.25 s, its
 vCPUs stopped 0.14 s of that). While the host has less than `reclaim_pressure_mib` available,
 every running sandbox whose private memory grew at all since its last scan is scanned, idlest
-(least CPU since the last pass) first, until it has that much again. The scan reads the guest's
-memory while it runs, without the sandbox's lock; only the drop takes the lock and stops the
-guest, so a pause or fork of the sandbox waits for no scan, and a sandbox in the middle of one
-is left for the next pass. Nothing is taken from a guest that it still uses, so there is nothing to
-deflate: a dropped page reads as before and is copied again only when the guest writes it.
+(least CPU since the last pass) first, until it has that much again; and before its scan each
+guest that ran since it last did is asked to drop its clean page cache (`drop_caches`): the pages
+it frees are zeroed, and those that held the image's data go back remapped (`aenv.vmm.reclaim`).
+A guest keeps its cache otherwise: what it reads again costs it a read from its disk, and pages
+of the cache still equal to the image cost the host nothing. Measured after the divergence
+workload (one guest, 30 s idle): the guest RAM held privately went from 19.6 to 15.0 MiB.
+
+The scan reads the guest's memory while it runs, without the sandbox's lock; only the drop takes
+the lock and stops the guest, so a pause or fork of the sandbox waits for no scan, and a sandbox
+in the middle of one is left for the next pass. Nothing is taken that a guest cannot have back
+unasked, so there is nothing to deflate: a dropped page reads as before and is copied again only
+when the guest writes it, and a dropped cache page is read again from the guest's disk.
 
 What the sandboxes hold (`held_mib`) is what admission measures new ones by.
 """
@@ -32,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..tasks import cancel
 from ..vmm import reclaim
+from ..vmm.envd_link import EnvdUnavailable, GuestAnswerError
 from .admission import meminfo_mib
 from .states import State
 
@@ -45,6 +53,8 @@ PRESSED_GROWTH_MIB = 1  # under host pressure: what a sandbox must have grown si
 # more than IDLE_SHARE of a core is at work, left until it rests (unless the host is pressed).
 ACTIVE_CPU_S = 0.5
 IDLE_SHARE = 0.05
+DROP_CACHE = ["/bin/sh", "-c", "sync && echo 1 > /proc/sys/vm/drop_caches"]
+DROP_CACHE_TIMEOUT_S = 10.0
 
 
 def private_mib(pid: int) -> float:
@@ -65,6 +75,7 @@ class _Watch:
     scanned_cpu: float = 0.0  # CPU seconds at its last scan (first sight: as then)
     returned_bytes: int = 0
     busy: float = 0.0  # share of a core it used between the last two passes
+    cache_dropped_cpu: float | None = None  # CPU seconds when its guest last dropped its page cache
 
 
 @dataclass(eq=False)  # hashable by identity: a Prometheus registry keys its collectors by them
@@ -132,10 +143,24 @@ class MemoryReclaimer:
             # last scan has nothing new to give, and scanning it again would only burn CPU.
             growth = PRESSED_GROWTH_MIB if pressed else self.growth_mib
             with contextlib.suppress(OSError):  # its QEMU ended meanwhile
+                if pressed:
+                    await self._drop_page_cache(sandbox, watch)
                 grown = private_mib(watch.pid) - watch.baseline_mib >= growth
                 if grown or watch.cpu - watch.scanned_cpu >= ACTIVE_CPU_S:
                     returned += await self._reclaim(sandbox, watch)
         return returned
+
+    async def _drop_page_cache(self, sandbox: Sandbox, watch: _Watch) -> None:
+        """Have the guest drop its clean page cache, unless it has not run since it last did."""
+        if watch.cache_dropped_cpu is not None and watch.cpu - watch.cache_dropped_cpu < ACTIVE_CPU_S:
+            return
+        if sandbox.vm is None or sandbox.lock.locked():
+            return  # an operation is under way; the next pass looks again
+        try:
+            await sandbox.vm.envd.execute(DROP_CACHE, timeout=DROP_CACHE_TIMEOUT_S)
+        except (EnvdUnavailable, GuestAnswerError, OSError, TimeoutError) as exc:
+            log.debug("sandbox %s did not drop its page cache: %s", sandbox.id, exc)
+        watch.cache_dropped_cpu = watch.cpu = sandbox.vm.vm.cpu_seconds()
 
     async def _reclaim(self, sandbox: Sandbox, watch: _Watch) -> int:
         """Scan one sandbox's guest running, then drop under its lock with the guest stopped, so no
@@ -148,7 +173,7 @@ class MemoryReclaimer:
                 return 0
             started = time.monotonic()
             found = await reclaim.find(vm)
-            if found.candidates.size:
+            if found.candidates:
                 if sandbox.lock.locked():
                     return 0  # an operation started during the scan
                 async with sandbox.lock:

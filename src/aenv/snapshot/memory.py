@@ -4,7 +4,10 @@ A clone maps the image privately (copy-on-write), so the pages a sandbox changed
 the private anonymous pages of that mapping in its QEMU process: `/proc/<pid>/pagemap` tells
 which (present and not file-backed), and `/proc/<pid>/mem` reads them. Resume writes them back
 into a fresh clone of the same image before the guest runs. Pages never changed stay shared
-through the host page cache, which is what makes idle sandboxes cheap.
+through the host page cache, which is what makes idle sandboxes cheap. One more kind of change:
+runs of pages the guest zeroed that the node remapped as anonymous memory to give them back to
+the host (`aenv.vmm.reclaim`) read zero, not the image, whether present or not; they are changed
+pages too, and the guest's RAM then spans several mappings.
 
 Delta layer file: a 4 KiB header (magic, page size, page count, memory size), the sorted page
 indices as little-endian uint64, padded to a page boundary, then the pages in index order.
@@ -12,6 +15,8 @@ indices as little-endian uint64, padded to a page boundary, then the pages in in
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import mmap
 import os
@@ -29,6 +34,7 @@ _HEADER = struct.Struct("<8sIQQ")
 _HEADER_SIZE = 4096
 _PRESENT = np.uint64(1 << 63)
 _FILE_OR_SHARED = np.uint64(1 << 61)
+_PFN = (1 << 55) - 1
 # A capture looks at its `stop` between runs, and a resume waits for that. Writing a run into page
 # cache the host must first get back from its own hypervisor took up to 150 ms with 8 MiB runs
 # and up to 20 ms with 1 MiB runs (512 MiB written each way); into reused page cache, 85 MiB took
@@ -45,25 +51,63 @@ class DeltaFormatError(ValueError):
 
 
 def find_mapping(pid: int, mem_path: Path) -> tuple[int, int]:
-    """Address range of the guest RAM mapping of `mem_path` in process `pid`."""
+    """Address range of the guest RAM mapping of `mem_path` in process `pid`: from where the file's
+    first page is mapped, the file's size (the RAM may be split into several mappings, see above)."""
     target = str(mem_path)
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].rstrip("\n") == target:
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                return start, end
+            if len(fields) == 6 and fields[5].rstrip("\n") == target and int(fields[2], 16) == 0:
+                start = int(fields[0].split("-")[0], 16)
+                return start, start + os.stat(mem_path).st_size
     raise LookupError(f"process {pid} has no mapping of {target}")
 
 
+@functools.cache
+def _zero_pfn() -> int:
+    """The frame of the kernel's shared zero page, which an anonymous page read before any write
+    maps: it holds nothing of the process's own (-1 when pagemap hides frames: not root)."""
+    page = mmap.mmap(-1, PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = ctypes.c_char.from_buffer(page)
+        address = ctypes.addressof(view)
+        _ = view.value  # a read: the zero page is mapped
+        del view
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            entry = int.from_bytes(os.pread(pagemap.fileno(), 8, address // PAGE_SIZE * 8), "little")
+    finally:
+        page.close()
+    return entry & _PFN or -1
+
+
 def dirty_pages(pid: int, start: int, end: int) -> np.ndarray:
-    """Indices of pages in [start, end) that are private anonymous, i.e. written by the guest."""
+    """Indices of pages in [start, end) that are private anonymous: written by the guest (a read
+    of a remapped run maps the shared zero page, which is not the process's own)."""
     count = (end - start) // PAGE_SIZE
     with open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
         raw = os.pread(pagemap.fileno(), count * 8, start // PAGE_SIZE * 8)
     entries = np.frombuffer(raw, dtype=np.uint64)
     written = (entries & _PRESENT != 0) & (entries & _FILE_OR_SHARED == 0)
+    written &= entries & np.uint64(_PFN) != np.uint64(_zero_pfn() % 2**64)
     return np.flatnonzero(written).astype(np.uint64)
+
+
+def remapped_pages(pid: int, start: int, end: int) -> np.ndarray:
+    """Indices of the pages in [start, end) mapped anonymously: runs the node remapped to zero."""
+    parts: list[np.ndarray] = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if len(fields) == 5 and start <= low and high <= end:  # no path: anonymous
+                first, last = (low - start) // PAGE_SIZE, (high - start) // PAGE_SIZE
+                parts.append(np.arange(first, last, dtype=np.uint64))
+    return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+
+
+def changed_pages(pid: int, start: int, end: int) -> np.ndarray:
+    """Indices of every page in [start, end) that does not read as the image: written or remapped."""
+    return np.union1d(dirty_pages(pid, start, end), remapped_pages(pid, start, end))
 
 
 def runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
@@ -107,7 +151,7 @@ def capture_delta(
     `stop` is looked at before each run of pages and before the flush: once set, the capture
     raises CaptureStopped, and the caller removes the partial file.
     """
-    indices = dirty_pages(pid, start, end)
+    indices = changed_pages(pid, start, end)
     memory_size = end - start
     digest = hashlib.sha256()
     private = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # guest memory: no VMM reads it
