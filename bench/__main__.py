@@ -1,8 +1,8 @@
 """Node-level benchmark: sandbox lifecycle and data-plane figures of a real aenv node, against targets.
 
     python -m bench [--mode smoke|quick|full] [--only NAME[,NAME]] [--json PATH] [--profile NAME]
-                    [--seed HOME] [--memory-merge] [--rollout-counts N[,N]] [--divergence N]
-                    [--rollout-parts concurrent,fanout,reset]
+                    [--seed HOME] [--memory-merge] [--memory-pressed] [--rollout-counts N[,N]]
+                    [--divergence N] [--rollout-parts concurrent,fanout,reset]
 
 Starts its own node (`aenv server` on a temporary home, removed afterwards; its first start
 builds the `base` template, or takes the one of the node home given by --seed) unless AENV_URL
@@ -10,7 +10,8 @@ names one (with AENV_API_KEY); floors and host figures need the node's host and 
 median, p95, p99, min, max, n, the target, the floor measured in the same run, the ratio to it,
 and whether the target is met. Times are wall clock from the client's request to the node's
 answer, which for create, resume and fork comes only after the guest's envd answered `/init`.
-With --memory-merge the node merges equal pages across its QEMUs (bench/merging.py).
+With --memory-merge the node merges equal pages across its QEMUs (bench/merging.py); with
+--memory-pressed its reclaimer acts as under host pressure throughout (bench/divergence.py).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def main() -> int:
         help="the node merges equal pages across its QEMUs (AENV_MEMORY_MERGE), with KSM on for the run",
     )  # fmt: skip
     parser.add_argument(
+        "--memory-pressed", action="store_true",
+        help="the node reclaims as under host pressure throughout (guests drop their clean page cache)",
+    )  # fmt: skip
+    parser.add_argument(
         "--scale-full", action="store_true", help="cluster-scale at 1,000 nodes and 100,000 sandboxes"
     )
     parser.add_argument(
@@ -107,6 +112,7 @@ def main() -> int:
         seed=args.seed,
         soak_cycles=args.soak_cycles,
         memory_merge=args.memory_merge,
+        memory_pressed=args.memory_pressed,
         scale_full=args.scale_full,
         rollout_counts=args.rollout_counts,
         rollout_parts=args.rollout_parts,

@@ -139,6 +139,8 @@ async def divergence(ctx: Context) -> list[Row]:
         diverged_qemu = held(pids.values())
         merged = merged_mib() if ctx.node.memory_merge else 0.0  # before the kills unmerge it
     note = f"{len(live)} sandboxes of {memory_mib} MiB, {ctx.plan.divergence_idle_s:g} s idle"
+    if ctx.node.memory_pressed:
+        note += ", the node reclaiming as under host pressure (guests drop their clean page cache)"
     if fresh_qemu is not None and diverged_qemu is not None:
         note += (f", QEMU private memory (median) {fresh_qemu.private:.1f} MiB fresh ({fresh_qemu}), "
                  f"{diverged_qemu.private:.1f} MiB diverged ({diverged_qemu})")  # fmt: skip

@@ -37,6 +37,9 @@ DEFAULT_TIMEOUT = 6 * 3600  # seconds: longer than any run, so the TTL never end
 # Seconds a paused sandbox keeps its QEMU process: longer than any figure takes between a pause
 # and its resume (50 pauses of the concurrent resume included), short enough to wait for.
 PARK_SECONDS = 10.0
+# `--memory-pressed`: the node's reclaim_pressure_mib, above any host's available memory, so its
+# reclaimer acts as under pressure throughout (guests drop their clean page cache).
+PRESSED_MIB = 1 << 30
 
 
 class BenchError(RuntimeError):
@@ -59,6 +62,7 @@ class Node:
     warm_pool: int | None = None  # warm VMs per template the node keeps, when known
     park_seconds: float | None = None  # how long a paused sandbox keeps its process, when known
     memory_merge: bool = False  # the node merges equal pages across its QEMUs (`--memory-merge`)
+    memory_pressed: bool = False  # the node reclaims as under host pressure throughout (`--memory-pressed`)
 
     @property
     def local(self) -> bool:
@@ -124,13 +128,16 @@ def remote_node() -> Node | None:
 class LocalNode:
     """The harness's own node in a temporary directory, removed afterwards; a context manager."""
 
-    def __init__(self, seed: Path | None = None, memory_merge: bool = False) -> None:
+    def __init__(
+        self, seed: Path | None = None, memory_merge: bool = False, memory_pressed: bool = False
+    ) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="aenv-bench-"))
-        self.memory_merge = memory_merge
+        self.memory_merge, self.memory_pressed = memory_merge, memory_pressed
+        pressure = {"reclaim_pressure_mib": PRESSED_MIB} if memory_pressed else {}
         self.dev = DevNode(
             self.workdir / "home", slot_first=SLOT_FIRST, slot_count=SLOT_COUNT, seed=seed,
             log_path=self.workdir / "node.log", shutdown_action="kill", default_timeout=DEFAULT_TIMEOUT,
-            park_seconds=PARK_SECONDS, memory_merge=memory_merge,
+            park_seconds=PARK_SECONDS, memory_merge=memory_merge, **pressure,
         )  # fmt: skip
 
     def __enter__(self) -> Node:
@@ -149,6 +156,7 @@ class LocalNode:
             warm_pool=pool,
             park_seconds=PARK_SECONDS,
             memory_merge=self.memory_merge,
+            memory_pressed=self.memory_pressed,
         )
 
     def __exit__(self, *exc: object) -> None:

@@ -69,6 +69,7 @@ class Options:
     seed: Path | None = None  # a node home whose `base` template the harness's node starts with
     soak_cycles: int | None = None  # instead of the mode's
     memory_merge: bool = False  # the harness's node merges equal pages, with KSM on for the run
+    memory_pressed: bool = False  # the harness's node reclaims as under host pressure throughout
     scale_full: bool = False  # cluster-scale at its full size
     rollout_counts: tuple[int, ...] | None = None  # instead of the mode's
     rollout_parts: tuple[str, ...] | None = None  # instead of all
@@ -162,10 +163,16 @@ def run(options: Options) -> int:
     started = time.monotonic()
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     remote = remote_node()
-    if remote is not None and options.memory_merge:
-        raise SystemExit("--memory-merge: only for the harness's own node (AENV_URL names another)")
+    if remote is not None and (options.memory_merge or options.memory_pressed):
+        raise SystemExit(
+            "--memory-merge, --memory-pressed: only for the harness's own node (AENV_URL names another)"
+        )
     merging = ksm_scanning() if options.memory_merge else contextlib.nullcontext()
-    harness = contextlib.nullcontext(remote) if remote else LocalNode(options.seed, options.memory_merge)
+    harness = (
+        contextlib.nullcontext(remote)
+        if remote
+        else LocalNode(options.seed, options.memory_merge, options.memory_pressed)
+    )
     with merging, harness as node:
         if options.profile and node.pid is None:
             print("bench: --profile needs a node on this host; not profiling", file=sys.stderr)
@@ -174,7 +181,12 @@ def run(options: Options) -> int:
         "mode": options.mode,
         "started_at": started_at,
         "duration_s": round(time.monotonic() - started, 1),
-        "node": {"url": node.url, "local": node.local, "memory_merge": options.memory_merge},
+        "node": {
+            "url": node.url,
+            "local": node.local,
+            "memory_merge": options.memory_merge,
+            "memory_pressed": options.memory_pressed,
+        },
         "host": {
             "cpus": os.cpu_count(),
             "kernel": platform.release(),
