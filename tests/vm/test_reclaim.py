@@ -85,17 +85,18 @@ def test_freed_guest_memory_goes_back_to_the_host_and_state_stays_exact(sandboxe
     assert node_loop.run(reclaim.reclaim(child.vm.vm)).returned_mib >= 0.8 * 200
     assert kept(child) == marker
 
-    # Under host pressure the guest drops its clean page cache: the pages that held the image's
-    # data are zeroed, and go back remapped; the guest reads its files and memory as before.
-    files = parent.sdk().commands.run(TOOLS, user="root").stdout
-    private = guest_private(parent)
+    # Under host pressure a guest that grew drops its clean page cache: the pages that held the
+    # image's data are zeroed, and go back remapped; the guest reads its files and memory as before.
     pressed = MemoryReclaimer(
         lambda: [held], interval=0, growth_mib=16, pressure_mib=1 << 30, idle_share=math.inf
     )
-    assert node_loop.run(pressed.sweep()) > 0
+    assert node_loop.run(pressed.sweep()) == 0  # the first pass records where the sandbox stands
+    diverge(parent)
+    files = parent.sdk().commands.run(TOOLS, user="root").stdout
+    assert node_loop.run(pressed.sweep()) >= 0.8 * 200 * 2**20
     vm = parent.vm.vm
     remapped = memory.remapped_pages(vm.pid, *find_mapping(vm.pid, image)).size * PAGE_SIZE / 2**20
-    assert remapped >= 2 and guest_private(parent) < private, (remapped, private, guest_private(parent))
+    assert remapped >= 2 and guest_private(parent) < 32, (remapped, guest_private(parent))
     assert parent.sdk().commands.run(TOOLS, user="root").stdout == files
     assert kept(parent) == marker
 

@@ -51,14 +51,15 @@ class DeltaFormatError(ValueError):
 
 
 def find_mapping(pid: int, mem_path: Path) -> tuple[int, int]:
-    """Address range of the guest RAM mapping of `mem_path` in process `pid`: from where the file's
-    first page is mapped, the file's size (the RAM may be split into several mappings, see above)."""
+    """Address range of the guest RAM mapping of `mem_path` in process `pid`: the file's size from
+    where its first page is (the RAM may be split into several mappings, see above; the first
+    page is never remapped)."""
     target = str(mem_path)
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].rstrip("\n") == target and int(fields[2], 16) == 0:
-                start = int(fields[0].split("-")[0], 16)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                start = int(fields[0].split("-")[0], 16) - int(fields[2], 16)
                 return start, start + os.stat(mem_path).st_size
     raise LookupError(f"process {pid} has no mapping of {target}")
 

@@ -7,7 +7,7 @@ supported"); with a writable one it would `fallocate(PUNCH_HOLE)` the image ever
 maps. The kernel has what is wanted: `MADV_DONTNEED` on a private file mapping drops the
 copy-on-write page and the address reads the file's page again, from the shared page cache.
 Only QEMU may madvise its own memory (`process_madvise` takes no `MADV_DONTNEED` from another
-process), so the node makes QEMU's main thread run the call (`_Tracee`, ptrace).
+process), so the node makes QEMU's main thread run the call (`_syscalls`, ptrace).
 
 Which pages: those whose private copy reads as what the address would read without it: for the
 file's mapping, the image's page byte for byte; for a run remapped anonymous (below), zero.
@@ -158,7 +158,8 @@ def classify(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Of the private page `indices` of the guest RAM at `start`: those reading as they would
     without their copy (the image's page, or zero in a `remapped` run), and the zero ones outside
-    the remapped runs that differ from the image (to remap)."""
+    the remapped runs that differ from the image (to remap; never the first page, so the image
+    stays mapped where `find_mapping` looks)."""
     droppable: list[np.ndarray] = []
     zeroed: list[np.ndarray] = []
     with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem, open(image, "rb", buffering=0) as img:
@@ -174,7 +175,7 @@ def classify(
             page = np.arange(first, first + pages, dtype=np.uint64)
             anonymous = np.isin(page, remapped)
             droppable.append(page[np.where(anonymous, empty, same)])
-            zeroed.append(page[empty & ~same & ~anonymous])
+            zeroed.append(page[empty & ~same & ~anonymous & (page != 0)])  # the first stays mapped
     if not droppable:
         return np.empty(0, np.uint64), np.empty(0, np.uint64)
     return np.concatenate(droppable), np.concatenate(zeroed)
