@@ -18,17 +18,21 @@ rows (not measurements of their own): host RAM diverged / fresh had only the gue
 host RAM per sandbox without the translation cache (what a KVM host, which has none, would keep),
 its ratio and its overcommit: they show what bounds the measured figures under TCG.
 
-Measured (`--divergence 48`, quick, KSM off, 2-core TCG host shared with other runs): return
-median 2.8 s, p95 4.6 s (target 10 s: met); create 1.06x and resume 1.01x the node without the
-reclaimer (target 1.1x: met); host RAM per sandbox 97.9 MiB diverged against 31.8 fresh (3.1x,
-target 1.5x), overcommit 5.2x (target 10x): not met. A QEMU's private memory fresh -> diverged:
-guest RAM 2.6 -> 19.4 MiB, translation cache 13.6 -> 55.1, the rest 15.3 -> 24.8. Derived: guest
-RAM alone 1.53x; without the cache 42.8 against 18.2 MiB (2.4x), overcommit 12.0x (10x: met). So
-the cache is most of the excess, and without it the ratio is still bounded by the guest RAM
-that stays private (pages freed since the capture, zeroed: unlike the image) and the rest's growth.
-With KSM on (`--memory-merge`, same run otherwise): 71.6 against 21.0 MiB (3.4x), overcommit 7.2x
-(target 20x), ksmd 0.17 of a core; the translation cache barely merges (55.1 MiB, 0.6 merged), so
-without it 17.1 against 7.9 MiB (2.2x) and overcommit 29.9x (20x: met); create 1.01x, resume 1.06x.
+With `--memory-pressed` the node's reclaimer acts as under host pressure throughout: every
+sandbox that grew is scanned, and guests at rest that ran drop their clean page cache first.
+
+Measured (`--divergence 48`, quick, KSM off, 2-core TCG host): return median 2.8 s, p95 4.6 s
+(target 10 s: met); create 1.00x and resume 1.10x the node without the reclaimer (target 1.1x:
+met); host RAM per sandbox 99.9 MiB diverged against 34.3 fresh (2.9x, target 1.5x), overcommit
+5.1x (target 10x): not met. A QEMU's private memory fresh -> diverged: guest RAM 2.6 -> 19.5 MiB,
+translation cache 13.7 -> 55.2, the rest 15.3 -> 24.8. Derived: guest RAM alone 1.5x; without the
+cache 44.8 against 20.6 MiB (2.2x), overcommit 11.4x (10x: met). With `--memory-pressed`: return
+median 2.0 s, p95 3.3 s; guest RAM 2.0 -> 12.0 MiB; 96.5 against 35.6 MiB (2.7x), overcommit
+5.3x; without the cache 39.8 against 21.9 MiB (1.8x), overcommit 12.9x. What is left under TCG:
+the translation cache, and in the rest TCG's index of its translated blocks (README: density).
+With KSM on (`--memory-merge`, an earlier run before remapping): 71.6 against 21.0 MiB (3.4x),
+overcommit 7.2x (target 20x), ksmd 0.17 of a core; the translation cache barely merges (55.1 MiB,
+0.6 merged), so without it 17.1 against 7.9 MiB (2.2x) and overcommit 29.9x (20x: met).
 """
 
 from __future__ import annotations
