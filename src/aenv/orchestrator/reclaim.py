@@ -17,7 +17,7 @@ what it reads again costs it a read from its disk, pages of the cache still equa
 cost the host nothing, and under TCG the command itself grows its QEMU's translation cache (a
 fresh guest asked to drop its cache: 32.5 MiB of translations instead of 13.7). Measured after
 the divergence workload (`bench --memory-pressed`, 48 sandboxes, 30 s idle): the guest RAM a
-QEMU held privately went from 19.5 to 12.1 MiB (median).
+QEMU held privately went from 19.5 to 12.0 MiB (median).
 
 The scan reads the guest's memory while it runs, without the sandbox's lock; only the drop takes
 the lock and stops the guest, so a pause or fork of the sandbox waits for no scan, and a sandbox
