@@ -75,10 +75,10 @@ PARTS = ("guest_ram_written", "tcg_code", "qemu_other_anon", "page_tables")
 def guest_ram(pid: int) -> tuple[int, int]:
     """Address range of a QEMU's guest RAM: the private mapping of its memory image (`mem-path=` of
     its command line), which the node's reclaimer may have split into several mappings."""
-    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    for option in (a.decode() for a in arguments if b"mem-path=" in a):
-        image = next(p.removeprefix("mem-path=") for p in option.split(",") if p.startswith("mem-path="))
-        return find_mapping(pid, Path(image))
+    for argument in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+        for part in argument.decode(errors="replace").split(","):
+            if part.startswith("mem-path="):
+                return find_mapping(pid, Path(part.removeprefix("mem-path=")))
     raise LookupError(f"QEMU {pid} maps no memory image")
 
 
@@ -86,8 +86,11 @@ def qemu_memory_mib(pid: int) -> dict[str, float]:
     """RSS, PSS and `PARTS` of a QEMU process in MiB; zeros for a process that is gone."""
     usage = dict.fromkeys(("rss", "pss", *PARTS, "tcg_code_merged"), 0.0)
     part = "qemu_other_anon"
-    with contextlib.suppress(OSError, LookupError):
-        ram_start, ram_end = guest_ram(pid)
+    with contextlib.suppress(OSError):
+        try:
+            ram_start, ram_end = guest_ram(pid)
+        except LookupError:  # no memory image: a plain boot's anonymous RAM counts as the rest
+            ram_start = ram_end = 0
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             field, _, rest = line.partition(" ")
             if not field.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
