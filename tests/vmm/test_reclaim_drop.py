@@ -116,7 +116,7 @@ def test_a_pass_remaps_its_longest_runs_within_the_mapping_budget(
     reclaim.settle(child.pid, reclaim.scan(child.pid, start, end, image), image)
     child.ask(f"zero {3 * QUARTER} 1")  # two more zeroed runs in the fourth quarter: 1 and 8 pages
     child.ask(f"zero {3 * QUARTER + 10} 8")
-    monkeypatch.setattr(reclaim, "MAX_MAPPINGS", reclaim._mappings(child.pid, start, end) + 2)
+    monkeypatch.setattr(reclaim, "MAX_MAPPINGS", len(memory.ram_mappings(child.pid, start, end)) + 2)
     assert reclaim.settle(child.pid, reclaim.scan(child.pid, start, end, image), image) == 8
     assert memory.remapped_pages(child.pid, start, end).size == QUARTER + 8
     assert child.ask("sum") == QUARTER + 7 * (QUARTER - 9)

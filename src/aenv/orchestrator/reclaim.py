@@ -11,11 +11,11 @@ every running sandbox whose private memory grew at all since its last scan is sc
 (least CPU since the last pass) first, until it has that much again; and before its scan each
 guest at rest that used half a CPU second since it last dropped its clean page cache (or was first
 seen) is asked to drop it (`drop_caches`): the pages it frees are zeroed, and those that held the
-image's data go back remapped (`aenv.vmm.reclaim`). A guest at work keeps it: it would fill it
-again. A guest keeps its cache otherwise:
-what it reads again costs it a read from its disk, pages of the cache still equal to the image
-cost the host nothing, and under TCG the command itself grows its QEMU's translation cache (a
-fresh guest asked to drop its cache: 32.5 MiB of translations instead of 13.7). Measured after
+image's data go back remapped (`aenv.vmm.reclaim`). A guest at work keeps its cache (it would
+fill it again), and so does every guest while the host is not pressed: what it reads again costs
+it a read from its disk, pages of the cache still equal to the image cost the host nothing, and
+under TCG the command itself grows its QEMU's translation cache (a fresh guest asked to drop its
+cache: 32.5 MiB of translations instead of 13.7). Measured after
 the divergence workload (`bench --memory-pressed`, 48 sandboxes, 30 s idle): the guest RAM a
 QEMU held privately went from 19.5 to 12.0 MiB (median).
 

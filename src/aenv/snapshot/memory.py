@@ -93,17 +93,28 @@ def dirty_pages(pid: int, start: int, end: int) -> np.ndarray:
     return np.flatnonzero(written).astype(np.uint64)
 
 
-def remapped_pages(pid: int, start: int, end: int) -> np.ndarray:
-    """Indices of the pages in [start, end) mapped anonymously: runs the node remapped to zero."""
-    parts: list[np.ndarray] = []
+def ram_mappings(pid: int, start: int, end: int) -> list[tuple[int, int, bool]]:
+    """Each mapping of process `pid` in [start, end): its first and end page index there, and
+    whether it is anonymous (a run the node remapped to zero) rather than the image's."""
+    found: list[tuple[int, int, bool]] = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split()
             low, high = (int(x, 16) for x in fields[0].split("-"))
-            if len(fields) == 5 and start <= low and high <= end:  # no path: anonymous
-                first, last = (low - start) // PAGE_SIZE, (high - start) // PAGE_SIZE
-                parts.append(np.arange(first, last, dtype=np.uint64))
+            if start <= low and high <= end:
+                found.append(((low - start) // PAGE_SIZE, (high - start) // PAGE_SIZE, len(fields) == 5))
+    return found
+
+
+def anonymous_pages(mappings: list[tuple[int, int, bool]]) -> np.ndarray:
+    """Indices of the pages of the anonymous ones of `mappings` (`ram_mappings`)."""
+    parts = [np.arange(first, last, dtype=np.uint64) for first, last, anonymous in mappings if anonymous]
     return np.concatenate(parts) if parts else np.empty(0, np.uint64)
+
+
+def remapped_pages(pid: int, start: int, end: int) -> np.ndarray:
+    """Indices of the pages in [start, end) mapped anonymously: runs the node remapped to zero."""
+    return anonymous_pages(ram_mappings(pid, start, end))
 
 
 def changed_pages(pid: int, start: int, end: int) -> np.ndarray:

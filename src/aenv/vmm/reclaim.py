@@ -41,7 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..snapshot.memory import PAGE_SIZE, dirty_pages, find_mapping, remapped_pages, runs
+from ..snapshot.memory import (
+    PAGE_SIZE,
+    anonymous_pages,
+    dirty_pages,
+    find_mapping,
+    ram_mappings,
+    remapped_pages,
+    runs,
+)
 from .machine import MemoryMode, VirtualMachine
 
 _SYS_MMAP, _SYS_MADVISE = 9, 28
@@ -204,11 +212,6 @@ def scan(pid: int, start: int, end: int, image: Path) -> Scan:
     return Scan(start, end, int(private.size), *found)
 
 
-def _mappings(pid: int, start: int, end: int) -> int:
-    with open(f"/proc/{pid}/maps") as maps:
-        return sum(start <= int(line.split("-", 1)[0], 16) < end for line in maps)
-
-
 def _longest(indices: np.ndarray, budget: int) -> list[tuple[int, int]]:
     """The longest runs of `indices`, as many as `budget` allows (each costs two mappings)."""
     found = sorted(runs(indices), key=lambda run: -run[1])
@@ -218,10 +221,10 @@ def _longest(indices: np.ndarray, budget: int) -> list[tuple[int, int]]:
 def settle(pid: int, found: Scan, image: Path) -> int:
     """With the guest stopped: drop the droppable pages still so and remap the zeroed ones still
     zero; returns the pages given back."""
-    remapped = remapped_pages(pid, found.start, found.end)
+    mappings = ram_mappings(pid, found.start, found.end)
     candidates = np.union1d(found.droppable, found.zeroed)
-    droppable, zeroed = classify(pid, found.start, image, candidates, remapped)
-    chosen = _longest(zeroed, MAX_MAPPINGS - _mappings(pid, found.start, found.end))
+    droppable, zeroed = classify(pid, found.start, image, candidates, anonymous_pages(mappings))
+    chosen = _longest(zeroed, MAX_MAPPINGS - len(mappings))
     drop(pid, [(found.start + first * PAGE_SIZE, count * PAGE_SIZE) for first, count in runs(droppable)])
     zero(pid, [(found.start + first * PAGE_SIZE, count * PAGE_SIZE) for first, count in chosen])
     return int(droppable.size) + sum(count for _, count in chosen)
